@@ -1,0 +1,56 @@
+# One job, four launchers. `make run-local` and `make test` are the two commands to know.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+VENV   ?= .venv
+PYTHON ?= python3
+BIN    := $(VENV)/bin
+EXTRAS ?= dev
+NPROC  ?= 2
+ARGS   ?=
+STAMP  := $(shell date +%Y%m%d-%H%M%S)
+RUN_DIR ?= runs/local-$(STAMP)
+PYTEST_ARGS ?=
+
+# torchrun's shared rendezvous TCP store keeps stale state across restarts (pytorch#135712);
+# a private store per rendezvous makes --max-restarts reliable.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
+
+.PHONY: help setup run-local test lint format bench lock clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed  ## create/update the virtual environment from requirements.lock
+
+$(VENV)/.installed: pyproject.toml requirements.lock
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements.lock -e '.[$(EXTRAS)]'
+	@touch $@
+
+run-local: setup  ## train the default config with 2 CPU processes (torchrun, gloo); ARGS="key=value ..."
+	@$(BIN)/trainer config check run_dir=$(RUN_DIR) $(ARGS) >/dev/null
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
+		-m trainer train run_dir=$(RUN_DIR) $(ARGS)
+
+test: setup  ## the whole test suite
+	$(BIN)/pytest $(PYTEST_ARGS)
+
+lint: setup  ## static checks
+	$(BIN)/ruff check trainer tests $(wildcard bench)
+	$(BIN)/ruff format --check trainer tests $(wildcard bench)
+
+format: setup  ## apply the formatter
+	$(BIN)/ruff format trainer tests $(wildcard bench)
+	$(BIN)/ruff check --fix trainer tests $(wildcard bench)
+
+lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway venv)
+	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install --quiet '.[$(EXTRAS)]'
+	{ echo "# Exact versions for the Makefile and docker/Dockerfile. Regenerate: make lock"; \
+	  .lock-venv/bin/python -m pip freeze --exclude trainer; } > requirements.lock
+	rm -rf .lock-venv
+
+clean:  ## remove caches (keeps the venv and runs/)
+	rm -rf .pytest_cache .ruff_cache build *.egg-info
