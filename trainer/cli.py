@@ -1,0 +1,119 @@
+"""The `trainer` command. Parsing imports nothing heavy, so `trainer --help` is instant."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from trainer.errors import EnvError, ExitCode, TrainerError, UsageError
+
+EXIT_CODES = """exit codes:
+  0  done
+  1  unexpected error (a bug: the traceback is printed)
+  2  bad config, environment, data or checkpoint (one line says what to fix; do not retry)
+  3  stopped by SIGTERM/SIGINT after saving a checkpoint (rerun the same command to resume)
+  4  transient failure (peer lost, timeout, I/O); a retry may succeed"""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        "-c",
+        metavar="NAME_OR_PATH",
+        help="a preset name (see `trainer config list`), a YAML file, or a run directory "
+        "(default: digits-mlp)",
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="config overrides, applied last, e.g. optim.lr=0.01 data.global_batch_size=128",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="trainer",
+        description="Reproducible PyTorch training: one process of a job, launched directly or by torchrun.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    p = sub.add_parser(
+        "train",
+        help="train a model (one rank of a job under torchrun)",
+        description="Train. Reads RANK/WORLD_SIZE/... from torchrun's environment; "
+        "none set means a single process.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("config", help="show, check or list configs")
+    p.add_argument(
+        "action",
+        choices=("show", "check", "list"),
+        help="show: print the resolved config; check: validate it; list: the presets",
+    )
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_config)
+    return parser
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") in ("", "0")
+
+
+def _cmd_train(args) -> int:
+    from trainer import config
+
+    cfg = config.load(args.config, args.overrides)
+    from trainer.train import run
+
+    run(cfg)
+    return ExitCode.OK
+
+
+def _cmd_config(args) -> int:
+    from trainer import config
+
+    if args.action == "list":
+        for name in config.presets():
+            print(name)
+        return ExitCode.OK
+    cfg = config.load(args.config, args.overrides)
+    if args.action == "show":
+        print(config.to_yaml(cfg), end="")
+    else:
+        print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
+    return ExitCode.OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # key=value overrides may come before or after options (argparse alone cannot interleave).
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        bad = [
+            a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")
+        ]
+        if bad:
+            parser.error(f"unrecognized arguments: {' '.join(bad)}")
+        args.overrides = [*args.overrides, *extra]
+    try:
+        return int(args.func(args))
+    except TrainerError as e:
+        # Config errors are the same on every rank: rank 0 reports. Others may differ per rank.
+        if _is_rank0() or not isinstance(e, UsageError) or isinstance(e, EnvError):
+            rank = "" if _is_rank0() else f"[rank {os.environ.get('RANK')}] "
+            print(f"trainer: error: {rank}{e}", file=sys.stderr, flush=True)
+        return int(e.exit_code)

@@ -1,0 +1,298 @@
+"""The typed config schema and its merge: schema defaults < preset < --config file < CLI key=value.
+
+Every field has a default and a docstring; `__post_init__` checks values and says what to set.
+`load()` turns every mistake (unknown key, wrong type, bad choice) into a one-line UsageError.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from trainer.errors import UsageError, check_choice, did_you_mean
+
+DEFAULT_PRESET = "digits-mlp"
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise UsageError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: str = "digits"
+    """Dataset: a registered name (digits, ...) or `package.module:factory`."""
+    root: str = "data"
+    """Folder holding on-disk datasets (unused by the embedded sklearn datasets)."""
+    global_batch_size: int = 64
+    """Samples per optimizer step summed over ALL ranks; each rank takes an equal slice."""
+    eval_batch_size: int = 512
+    """Samples per evaluation batch, summed over all ranks."""
+    shuffle: bool = True
+    """Shuffle training order each epoch (a permutation from seed and epoch)."""
+    drop_last: bool = False
+    """Drop a final partial global batch. Off: the short tail batch is trained, on any world size."""
+    test_fraction: float = 0.2
+    """Held-out share for datasets without an official test split (sklearn)."""
+    split_seed: int = 0
+    """Seed of that train/test split: fixed apart from `seed` so the test set never changes."""
+
+    def __post_init__(self) -> None:
+        _positive("data.global_batch_size", self.global_batch_size)
+        _positive("data.eval_batch_size", self.eval_batch_size)
+        if not 0.0 < self.test_fraction < 1.0:
+            raise UsageError(
+                f"data.test_fraction: must be between 0 and 1, got {self.test_fraction}"
+            )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "mlp"
+    """Model: a registered name (mlp, lenet, ...) or `package.module:factory`."""
+    hidden: list[int] = field(default_factory=lambda: [256, 128])
+    """Hidden layer widths (mlp)."""
+    dropout: float = 0.0
+    """Dropout probability (mlp). Non-zero dropout draws per-rank randomness."""
+    activation: str = "relu"
+    """relu | sigmoid (lenet: d2l uses sigmoid)."""
+    num_classes: int | None = None
+    """Output size; default: taken from the dataset."""
+    in_channels: int | None = None
+    """Input channels; default: taken from the dataset."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the factory (useful for plug-ins)."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.dropout < 1.0:
+            raise UsageError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        check_choice("model.activation", self.activation, ("relu", "sigmoid"))
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = "adamw"
+    """sgd | adam | adamw."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/AdamW betas."""
+
+    def __post_init__(self) -> None:
+        check_choice("optim.name", self.name, ("sgd", "adam", "adamw"))
+        _positive("optim.lr", self.lr)
+        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        if len(self.betas) != 2:
+            raise UsageError(f"optim.betas: needs two values like [0.9,0.999], got {self.betas}")
+
+
+@dataclass(kw_only=True)
+class SchedConfig:
+    name: str = "none"
+    """none | step | cosine. The learning rate is a pure function of the optimizer step."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to optim.lr over this many steps."""
+    step_size_epochs: int = 1
+    """step: multiply by gamma every this many epochs (like torch StepLR stepped per epoch)."""
+    gamma: float = 0.7
+    min_lr_ratio: float = 0.0
+    """cosine: final lr as a fraction of optim.lr."""
+
+    def __post_init__(self) -> None:
+        check_choice("sched.name", self.name, ("none", "step", "cosine"))
+        _positive("sched.warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("sched.step_size_epochs", self.step_size_epochs)
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    epochs: int = 20
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total (null: run all epochs)."""
+    eval_every_steps: int = 0
+    """Evaluate every N optimizer steps; 0: at epoch ends (see eval_every_epochs)."""
+    eval_every_epochs: int = 1
+    """With eval_every_steps=0: evaluate every N epochs. The last step is always evaluated."""
+
+    def __post_init__(self) -> None:
+        _positive("train.epochs", self.epochs)
+        _positive("train.eval_every_epochs", self.eval_every_epochs)
+        if self.max_steps is not None:
+            _positive("train.max_steps", self.max_steps)
+        _positive("train.eval_every_steps", self.eval_every_steps, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    strategy: str = "auto"
+    """auto (ddp when world > 1) | none (world 1 only) | ddp."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
+    device: str = "auto"
+    """auto (cuda if available) | cpu | cuda."""
+    timeout_s: int = 300
+    """Bound on any collective and on process-group setup: a lost peer fails, never hangs."""
+
+    def __post_init__(self) -> None:
+        check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp"))
+        check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
+        check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
+        _positive("dist.timeout_s", self.timeout_s)
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    every_steps: int = 10
+    """Write a metrics.jsonl record (and a console line) every N optimizer steps."""
+    progress: str = "auto"
+    """auto (a bar on a TTY, plain lines otherwise) | bar | plain | none."""
+
+    def __post_init__(self) -> None:
+        _positive("log.every_steps", self.every_steps)
+        check_choice("log.progress", self.progress, ("auto", "bar", "plain", "none"))
+
+
+@dataclass(kw_only=True)
+class Config:
+    name: str = DEFAULT_PRESET
+    """Run name; the default run_dir is runs/<name>."""
+    run_dir: str = "runs/${name}"
+    """Where config.yaml, metrics.jsonl, summary.json and final/ are written."""
+    seed: int = 0
+    """Seeds model init and the data order; same seed + same global batch = same numbers."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        from trainer import registry
+
+        registry.check("data.name", self.data.name)
+        registry.check("model.name", self.model.name)
+
+
+def presets() -> list[str]:
+    return sorted(
+        p.name[:-5] for p in resources.files("trainer.conf").iterdir() if p.name.endswith(".yaml")
+    )
+
+
+def _read_yaml(text: str, source: str):
+    from omegaconf import DictConfig, OmegaConf
+
+    try:
+        node = OmegaConf.create(text)
+    except Exception as e:  # yaml.YAMLError and OmegaConf's own grammar errors
+        raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(node, DictConfig):
+        raise UsageError(f"{source}: must be a YAML mapping of config keys")
+    return node
+
+
+def _layer_for(config: str | None):
+    """(source, DictConfig) layers for --config: a preset name or a YAML file path."""
+    if config is None:
+        config = DEFAULT_PRESET
+    names = presets()
+    if config in names:
+        text = resources.files("trainer.conf").joinpath(f"{config}.yaml").read_text()
+        return [(f"preset '{config}'", _read_yaml(text, f"preset '{config}'"))]
+    if os.path.isdir(config) and os.path.isfile(os.path.join(config, "config.yaml")):
+        config = os.path.join(config, "config.yaml")  # a run directory: re-run it
+    if not os.path.isfile(config):
+        raise UsageError(
+            f"--config: '{config}' is neither a preset{did_you_mean(config, names)} nor a YAML file; "
+            f"presets: {', '.join(names)}"
+        )
+    with open(config, encoding="utf-8") as f:
+        node = _read_yaml(f.read(), config)
+    layers = []
+    base = node.pop("preset", None)  # a user file may build on a preset: `preset: digits-lenet`
+    if base is not None:
+        layers += _layer_for(str(base))
+    return [*layers, (config, node)]
+
+
+def _cli_layer(overrides: list[str]):
+    from omegaconf import OmegaConf
+
+    for item in overrides:
+        key, eq, _ = item.partition("=")
+        if not eq or not key or key.startswith("-"):
+            raise UsageError(f"override '{item}' must look like key=value (e.g. optim.lr=0.01)")
+    try:
+        return ("command line", OmegaConf.from_dotlist(list(overrides)))
+    except Exception as e:
+        raise UsageError(
+            f"command line: cannot parse overrides ({str(e).splitlines()[0]})"
+        ) from None
+
+
+def _valid_keys(schema, full_key: str) -> list[str]:
+    parent = full_key.rpartition(".")[0]
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.select(schema, parent) if parent else schema
+    return list(node.keys()) if node is not None and hasattr(node, "keys") else []
+
+
+def _merge_error(e: Exception, schema, source: str) -> UsageError:
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    key = getattr(e, "full_key", None) or "?"
+    if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+        parent, _, leaf = key.rpartition(".")
+        valid = _valid_keys(schema, key)
+        hint = did_you_mean(leaf, valid)
+        if hint and parent:
+            hint = hint.replace(" '", f" '{parent}.", 1)
+        return UsageError(
+            f"{source}: unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}"
+        )
+    msg = str(e).splitlines()[0]
+    return UsageError(f"{source}: {key}: {msg}")
+
+
+def load(config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Merge schema < preset < --config file < CLI overrides into a validated Config."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    schema = OmegaConf.structured(Config)
+    merged = schema
+    for source, layer in [*_layer_for(config), _cli_layer(list(overrides))]:
+        try:
+            merged = OmegaConf.merge(merged, layer)
+        except OmegaConfBaseException as e:
+            raise _merge_error(e, schema, source) from None
+    try:
+        OmegaConf.resolve(merged)
+        cfg = OmegaConf.to_object(merged)
+    except UsageError:
+        raise
+    except OmegaConfBaseException as e:
+        raise _merge_error(e, schema, "config") from None
+    return cfg
+
+
+def to_yaml(cfg: Config) -> str:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cfg))

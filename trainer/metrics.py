@@ -1,0 +1,132 @@
+"""What a run reports: console (rank 0 only), metrics.jsonl, summary.json, library versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from importlib import metadata
+
+_PACKAGES = ("trainer", "torch", "torchvision", "numpy", "omegaconf", "scikit-learn", "safetensors")
+
+
+def versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for name in _PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    try:
+        import torch
+
+        out["cuda"] = torch.version.cuda or "none"
+    except ImportError:
+        pass
+    return out
+
+
+def write_json(path: str, obj) -> None:
+    """Write JSON atomically: a reader never sees half a file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _fmt(record: dict) -> str:
+    parts = []
+    for k, v in record.items():
+        if k in ("kind", "time"):
+            continue
+        if isinstance(v, float):
+            v = f"{v:.4g}" if k != "samples_per_s" else f"{v:,.0f}"
+        parts.append(f"{k} {v}")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """Rank 0 writes metrics.jsonl and prints; other ranks do nothing.
+
+    Console: a single self-updating progress line on a TTY, plain periodic lines otherwise
+    (pod logs, CI), or nothing (log.progress=none; the JSONL is still written).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | None,
+        *,
+        progress: str,
+        total_steps: int,
+        append: bool = False,
+        stream=None,
+    ):
+        self.stream = stream or sys.stdout
+        self.enabled = run_dir is not None
+        if progress == "auto":
+            progress = "bar" if self.stream.isatty() else "plain"
+        self.progress = progress if self.enabled else "none"
+        self.total = total_steps
+        self._jsonl = None
+        self._last_draw = 0.0
+        self._bar_open = False
+        if self.enabled:
+            self._jsonl = open(  # noqa: SIM115 (held open for the whole run; close() closes it)
+                os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w", encoding="utf-8"
+            )
+
+    def record(self, record: dict) -> None:
+        """One metrics.jsonl line; also shown on the console."""
+        if not self.enabled:
+            return
+        record = {**record, "time": time.time()}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self.progress == "plain":
+            self._print(_fmt(record))
+        elif self.progress == "bar":
+            if record.get("kind") == "eval":
+                self._print(_fmt(record))
+            else:
+                self._last = record
+                self._draw(record["step"], force=True)
+
+    def tick(self, step: int) -> None:
+        """Called every step: redraws the bar at most 10 times a second."""
+        if self.progress == "bar":
+            self._draw(step)
+
+    def _draw(self, step: int, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        width = 24
+        done = int(width * step / max(1, self.total))
+        tail = _fmt(getattr(self, "_last", {}))
+        self.stream.write(
+            f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {tail}"[:160].ljust(80)
+        )
+        self.stream.flush()
+        self._bar_open = True
+
+    def info(self, text: str) -> None:
+        if self.enabled:
+            self._print(text)
+
+    def _print(self, text: str) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None

@@ -1,0 +1,62 @@
+"""Optimizers and learning-rate schedules. The lr is a pure function of the optimizer step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from trainer.config import OptimConfig, SchedConfig
+
+
+def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(
+            params,
+            lr=cfg.lr,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            weight_decay=cfg.weight_decay,
+        )
+    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
+    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """lr multiplier at a step: linear warm-up, then none | step | cosine. Picklable (resumable)."""
+
+    name: str
+    total_steps: int
+    steps_per_epoch: int
+    warmup_steps: int = 0
+    step_size_epochs: int = 1
+    gamma: float = 0.1
+    min_lr_ratio: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.name == "step":
+            return self.gamma ** (step // (self.step_size_epochs * self.steps_per_epoch))
+        if self.name == "cosine":
+            span = max(1, self.total_steps - self.warmup_steps)
+            progress = min(1.0, (step - self.warmup_steps) / span)
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
+                1 + math.cos(math.pi * progress)
+            )
+        return 1.0
+
+
+def build_scheduler(cfg: SchedConfig, optimizer, steps_per_epoch: int, total_steps: int):
+    schedule = Schedule(
+        name=cfg.name,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+        warmup_steps=cfg.warmup_steps,
+        step_size_epochs=cfg.step_size_epochs,
+        gamma=cfg.gamma,
+        min_lr_ratio=cfg.min_lr_ratio,
+    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
