@@ -1,0 +1,135 @@
+"""Config: precedence, every error path (one line, exit 2, the fix named), round trip."""
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, env
+from trainer import config
+from trainer.errors import UsageError
+
+
+def test_defaults_are_the_digits_mlp_preset():
+    cfg = config.load()
+    assert cfg.name == "digits-mlp"
+    assert cfg.data.name == "digits" and cfg.model.name == "mlp"
+    assert cfg.run_dir == "runs/digits-mlp"  # ${name} resolved
+
+
+def test_precedence_preset_then_file_then_cli(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("preset: digits-lenet\nname: mine\noptim:\n  lr: 0.05\ntrain:\n  epochs: 3\n")
+    cfg = config.load(str(f), ["train.epochs=7", "data.global_batch_size=32"])
+    assert cfg.model.name == "lenet"  # from the preset the file builds on
+    assert cfg.optim.lr == 0.05  # file beats preset
+    assert cfg.train.epochs == 7  # CLI beats file
+    assert cfg.data.global_batch_size == 32
+    assert cfg.run_dir == "runs/mine"
+
+
+def test_named_preset_and_run_dir_round_trip(tmp_path):
+    cfg = config.load("digits-lenet", ["seed=5", "model.hidden=[8,4]"])
+    (tmp_path / "config.yaml").write_text(config.to_yaml(cfg))
+    again = config.load(str(tmp_path))  # a run directory re-runs its config.yaml
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (
+            ["optim.lrr=1"],
+            ["unknown key 'optim.lrr'", "did you mean 'optim.lr'", "valid keys here: name, lr"],
+        ),
+        (["seeed=1"], ["unknown key 'seeed'", "did you mean 'seed'"]),
+        (["train.epochs=abc"], ["train.epochs", "abc", "Integer"]),
+        (["dist.strategy=dpp"], ["dist.strategy", "did you mean 'ddp'", "auto, none, ddp"]),
+        (["optim.name=adamm"], ["optim.name", "did you mean 'adam'"]),
+        (["model.name=lenett"], ["model.name", "did you mean 'lenet'", "lenet, mlp"]),
+        (["data.name=digitz"], ["data.name", "did you mean 'digits'"]),
+        (["model.name=:factory"], ["package.module:factory"]),
+        (["optim.lr=-1"], ["optim.lr", "> 0"]),
+        (["data.global_batch_size=0"], ["data.global_batch_size", "> 0"]),
+        (["optim.betas=[0.9]"], ["optim.betas", "two values"]),
+        (["lr"], ["key=value"]),
+    ],
+)
+def test_bad_overrides_name_the_key_and_the_fix(overrides, fragments):
+    with pytest.raises(UsageError) as e:
+        config.load(None, overrides)
+    msg = str(e.value)
+    assert "\n" not in msg
+    for frag in fragments:
+        assert frag in msg
+
+
+def test_bad_config_sources(tmp_path):
+    with pytest.raises(UsageError, match="neither a preset .*did you mean 'digits-mlp'"):
+        config.load("digits-mpl")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: [unclosed\n")
+    with pytest.raises(UsageError, match="not valid YAML"):
+        config.load(str(bad))
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- a\n- b\n")
+    with pytest.raises(UsageError, match="must be a YAML mapping"):
+        config.load(str(lst))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("optim:\n  lrr: 1\n")
+    with pytest.raises(UsageError, match=f"{typo}: unknown key 'optim.lrr'"):
+        config.load(str(typo))
+
+
+def _cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        capture_output=True,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=60,
+    )
+
+
+def test_cli_config_error_is_one_line_exit_2_no_traceback():
+    p = _cli("train", "optim.lrr=0.1")
+    assert p.returncode == 2
+    assert p.stderr.strip().count("\n") == 0
+    assert "Traceback" not in p.stderr and "did you mean 'optim.lr'" in p.stderr
+    p = _cli("train", "--nope")
+    assert p.returncode == 2 and "unrecognized arguments: --nope" in p.stderr
+
+
+def test_cli_config_show_accepts_overrides_after_options():
+    p = _cli(
+        "config", "show", "--config", "digits-lenet", "optim.lr=0.5", "model.activation=sigmoid"
+    )
+    assert p.returncode == 0, p.stderr
+    assert "lr: 0.5" in p.stdout and "activation: sigmoid" in p.stdout and "name: lenet" in p.stdout
+    assert set(_cli("config", "list").stdout.split()) >= {"digits-mlp", "digits-lenet"}
+
+
+def test_help_does_not_import_torch():
+    code = (
+        "import sys\nfrom trainer.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "bad = [m for m in ('torch', 'omegaconf', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
+    )
+    assert p.returncode == 0, p.stderr
+    assert "train" in p.stdout and "exit codes" in p.stdout
+
+
+def test_importing_the_package_does_no_work():
+    code = (
+        "import os, sys\nos.environ.clear()\nimport trainer, trainer.config, trainer.cli, trainer.registry\n"
+        "assert 'torch' not in sys.modules\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
+    )
+    assert p.returncode == 0, p.stderr

@@ -1,0 +1,87 @@
+"""DistEnv from the exact variables torchrun sets; inconsistent values are one-line errors."""
+
+import pytest
+
+from trainer.dist import DistEnv, choose_device, from_env
+from trainer.errors import EnvError
+
+TORCHRUN_RANK3 = {  # what torchrun 2.x sets for local rank 1 on node 1 of 2 nodes x 2 procs
+    "RANK": "3",
+    "LOCAL_RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_WORLD_SIZE": "2",
+    "GROUP_RANK": "1",
+    "ROLE_RANK": "3",
+    "ROLE_WORLD_SIZE": "4",
+    "MASTER_ADDR": "node0.example",
+    "MASTER_PORT": "29500",
+    "TORCHELASTIC_RESTART_COUNT": "2",
+    "TORCHELASTIC_MAX_RESTARTS": "3",
+    "TORCHELASTIC_RUN_ID": "job",
+}
+
+
+def test_no_torchrun_env_is_a_single_process():
+    d = from_env({"PATH": "/bin"})
+    assert d == DistEnv() and d.world_size == 1 and d.is_main and not d.distributed
+
+
+def test_torchrun_env_is_read_once_into_rank_facts():
+    d = from_env(TORCHRUN_RANK3)
+    assert (d.rank, d.local_rank, d.world_size, d.local_world_size, d.node_rank) == (3, 1, 4, 2, 1)
+    assert (d.master_addr, d.master_port, d.restart_count) == ("node0.example", 29500, 2)
+    assert d.distributed and not d.is_main
+
+
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        ({"RANK": "4"}, "RANK=4 must be < WORLD_SIZE=4"),
+        ({"RANK": "x"}, "RANK='x' is not an integer"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be >= 1"),
+        ({"LOCAL_RANK": "2"}, "LOCAL_RANK=2 must be < LOCAL_WORLD_SIZE=2"),
+        ({"LOCAL_WORLD_SIZE": "8"}, "LOCAL_WORLD_SIZE=8 exceeds WORLD_SIZE=4"),
+        ({"WORLD_SIZE": None}, "WORLD_SIZE is not set"),
+        ({"MASTER_ADDR": None}, "needs MASTER_ADDR and MASTER_PORT"),
+        ({"MASTER_PORT": "70000"}, "not a TCP port"),
+        ({"RANK": "-1"}, "RANK=-1 must be >= 0"),
+    ],
+)
+def test_inconsistent_env_is_a_clear_error(change, fragment):
+    env = {**TORCHRUN_RANK3, **change}
+    env = {k: v for k, v in env.items() if v is not None}
+    with pytest.raises(EnvError) as e:
+        from_env(env)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_device_and_backend():
+    one = DistEnv()
+    assert choose_device(one, "auto", "auto", 0) == ("cpu", "gloo")
+    assert choose_device(one, "auto", "auto", 2) == ("cuda:0", "nccl")
+    assert choose_device(DistEnv(local_rank=1, local_world_size=2), "cuda", "auto", 2) == (
+        "cuda:1",
+        "nccl",
+    )
+    assert choose_device(one, "cpu", "auto", 8) == ("cpu", "gloo")
+    assert choose_device(one, "cuda", "gloo", 1) == ("cuda:0", "gloo")
+
+
+@pytest.mark.parametrize(
+    "denv, device, backend, gpus, fragment",
+    [
+        (DistEnv(), "cuda", "auto", 0, "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES='')"),
+        (
+            DistEnv(local_rank=2, local_world_size=4),
+            "auto",
+            "auto",
+            2,
+            "LOCAL_RANK=2 but only 2 GPU(s)",
+        ),
+        (DistEnv(), "cpu", "nccl", 0, "nccl needs CUDA"),
+    ],
+)
+def test_device_errors(denv, device, backend, gpus, fragment):
+    with pytest.raises(EnvError) as e:
+        choose_device(denv, device, backend, gpus, "")
+    assert fragment in str(e.value)

@@ -1,0 +1,165 @@
+"""The real torchrun launching `python -m trainer train`, compared against a single process.
+
+Global-batch semantics: a DDP run on world 2 or 4 computes the same steps as one process on
+the same global batch; only the order of the floating-point gradient sum differs.
+"""
+
+import math
+
+import pytest
+import yaml
+
+from tests.helpers import ROOT, read_jsonl, train_losses, trainer, weights
+
+DIGITS = [
+    "log.every_steps=1",
+    "train.max_steps=40",
+    "data.global_batch_size=64",
+    "log.progress=plain",
+]
+TINY = [
+    "data.name=tests.helpers:tiny",
+    "model.name=tests.helpers:tiny_model",
+    "data.global_batch_size=4",
+    "data.eval_batch_size=4",
+    "train.epochs=4",
+    "log.every_steps=1",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "sched.name=none",
+    "log.progress=plain",
+]
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def assert_same_run(run, reference, tol=1e-5):
+    losses, ref_losses = train_losses(run), train_losses(reference)
+    assert losses.keys() == ref_losses.keys()
+    for step, loss in ref_losses.items():
+        assert _rel(losses[step], loss) <= tol, f"step {step}: {losses[step]} vs {loss}"
+    w, ref_w = weights(run), weights(reference)
+    assert w.keys() == ref_w.keys()
+    for name, t in ref_w.items():
+        scale = t.abs().max().item() or 1.0
+        assert (w[name] - t).abs().max().item() <= tol * scale, name
+
+
+@pytest.fixture(scope="module")
+def digits_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("digits")
+    runs = {}
+    for world in (1, 2, 4):
+        run_dir = base / f"w{world}"
+        trainer("train", *DIGITS, f"run_dir={run_dir}", nproc=None if world == 1 else world)
+        runs[world] = run_dir
+    return runs
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_matches_single_process_over_40_steps(digits_runs, world):
+    assert len(train_losses(digits_runs[1])) == 40
+    assert_same_run(digits_runs[world], digits_runs[1])
+
+
+def test_run_dir_outputs(digits_runs):
+    run = digits_runs[2]
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["run_dir"] == str(run) and cfg["train"]["max_steps"] == 40
+    records = read_jsonl(run / "metrics.jsonl")
+    train = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, 41))  # one writer: no duplicates
+    assert {"step", "epoch", "loss", "lr", "samples_per_s"} <= train[0].keys()
+    summary = yaml.safe_load((run / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 40 and summary["strategy"] == "ddp"
+    assert summary["eval"]["count"] == 359  # every test sample exactly once
+    assert 0 <= summary["eval"]["accuracy"] <= 1 and math.isfinite(summary["eval"]["loss"])
+    assert math.isfinite(summary["train"]["loss"]) and summary["samples_per_s"] > 0
+    assert summary["wall_s"] > 0 and summary["versions"]["torch"]
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(run))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tail_batch_smaller_than_world_trains_and_matches(tmp_path, world):
+    # 9 samples, global batch 4: the last batch of every epoch holds 1 sample for `world` ranks.
+    ref, run = tmp_path / "w1", tmp_path / f"w{world}"
+    trainer("train", *TINY, f"run_dir={ref}")
+    p = trainer("train", *TINY, f"run_dir={run}", nproc=world)
+    assert "done: 12 steps" in p.stdout
+    assert_same_run(run, ref)
+    summary = yaml.safe_load((run / "summary.json").read_text())
+    assert summary["eval"]["count"] == 7 and summary["samples_seen"] == 36
+
+
+def test_batch_that_does_not_split_over_ranks_is_exit_2(tmp_path):
+    p = trainer(
+        "train", *TINY, "data.global_batch_size=3", f"run_dir={tmp_path}", nproc=2, check=False
+    )
+    assert p.returncode != 0
+    assert (
+        "data.global_batch_size=3 does not split over 2 ranks: use a multiple of 2 (e.g. data.global_batch_size=2 or 4)"
+        in p.stderr
+    )
+    # torchrun reports the failed child its own way; our code adds no traceback of its own.
+    assert f'File "{ROOT}/trainer/' not in p.stderr
+
+
+@pytest.mark.parametrize(
+    "env, code, fragment",
+    [
+        ({"RANK": "3", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, 2, "RANK=3 must be < WORLD_SIZE=2"),
+        (
+            {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+            2,
+            "needs MASTER_ADDR and MASTER_PORT",
+        ),
+        (
+            {
+                "RANK": "0",
+                "WORLD_SIZE": "2",
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "0",
+            },
+            2,
+            "MASTER_PORT=0 must be >= 1",
+        ),
+    ],
+)
+def test_inconsistent_env_fails_fast_with_one_line(tmp_path, env, code, fragment):
+    p = trainer("train", *TINY, f"run_dir={tmp_path}", extra_env=env, check=False, timeout=60)
+    assert p.returncode == code
+    assert fragment in p.stderr and "Traceback" not in p.stderr
+    assert p.stderr.strip().count("\n") == 0
+
+
+def test_missing_peer_times_out_as_retryable(tmp_path):
+    from tests.helpers import free_port
+
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "LOCAL_WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    p = trainer(
+        "train",
+        *TINY,
+        "dist.timeout_s=3",
+        f"run_dir={tmp_path}",
+        extra_env=env,
+        check=False,
+        timeout=60,
+    )
+    assert p.returncode == 4, p.stderr
+    assert "could not form the process group" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_dist_strategy_none_refuses_several_ranks(tmp_path):
+    p = trainer("train", *TINY, "dist.strategy=none", f"run_dir={tmp_path}", nproc=2, check=False)
+    assert p.returncode != 0 and "dist.strategy=none cannot run on 2 ranks" in p.stderr
