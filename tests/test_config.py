@@ -133,3 +133,25 @@ def test_importing_the_package_does_no_work():
         [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
     )
     assert p.returncode == 0, p.stderr
+
+
+def test_each_rank_leaves_its_exit_code_for_the_launcher(tmp_path):
+    from trainer.errors import node_exit_code
+
+    for rank, args in (("0", ["config", "check", "optim.lrr=1"]), ("1", ["train", "--bogus"])):
+        p = subprocess.run(
+            [sys.executable, "-m", "trainer", *args],
+            capture_output=True,
+            text=True,
+            env=env(TRAINER_STATUS_DIR=str(tmp_path), RANK=rank),
+            cwd=ROOT,
+            timeout=60,
+        )
+        assert p.returncode == 2
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank-0.exit", "rank-1.exit"]
+    (tmp_path / "rank-2.exit").write_text("4\n")
+    assert node_exit_code(str(tmp_path), 1) == 2  # a config error outranks a transient failure
+    (tmp_path / "rank-0.exit").unlink()
+    (tmp_path / "rank-1.exit").unlink()
+    assert node_exit_code(str(tmp_path), 1) == 4
+    assert node_exit_code(str(tmp_path / "missing"), 1) == 1

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trainer.errors import EnvError, ExitCode, TrainerError, UsageError
+from trainer.errors import EnvError, ExitCode, TrainerError, UsageError, record_exit
 
 EXIT_CODES = """exit codes:
   0  done
@@ -99,6 +99,19 @@ def _cmd_config(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+    except SystemExit as e:  # argparse: usage errors (2) and --help (0)
+        record_exit(e.code if isinstance(e.code, int) else ExitCode.ERROR)
+        raise
+    except BaseException:  # a bug: keep the traceback, but let the launcher know
+        record_exit(ExitCode.ERROR)
+        raise
+    record_exit(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     # key=value overrides may come before or after options (argparse alone cannot interleave).
     args, extra = parser.parse_known_args(argv)

@@ -15,6 +15,55 @@ class ExitCode(enum.IntEnum):
     """A transient failure (peer lost, collective timed out, I/O error); a retry may succeed."""
 
 
+STATUS_DIR_ENV = "TRAINER_STATUS_DIR"
+"""A node-local folder where each rank leaves its exit code (trainer-launch sets it).
+
+torchrun itself exits 1 whenever a worker fails, which would hide the difference between a
+config error (2), a preemption (3) and a transient failure (4) from Kubernetes' podFailurePolicy.
+trainer-launch reads these files after torchrun exits and exits with the most significant code.
+"""
+
+# Which code a node reports when its ranks disagree: the most actionable one wins.
+SEVERITY = (ExitCode.USAGE, ExitCode.PREEMPTED, ExitCode.RETRYABLE, ExitCode.ERROR)
+
+
+def record_exit(code: int, environ=None) -> None:
+    """Leave this rank's exit code in $TRAINER_STATUS_DIR/rank-<RANK>.exit (if set)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    folder = environ.get(STATUS_DIR_ENV)
+    if not folder or code == ExitCode.OK:
+        return
+    try:
+        with open(os.path.join(folder, f"rank-{environ.get('RANK', '0')}.exit"), "w") as f:
+            f.write(f"{int(code)}\n")
+    except OSError:
+        pass  # the status file is a courtesy to the launcher; never mask the real exit
+
+
+def node_exit_code(folder: str, fallback: int) -> int:
+    """The most significant code the ranks left in `folder`, else `fallback` (torchrun's)."""
+    import os
+
+    codes = set()
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return fallback
+    for name in names:
+        if name.endswith(".exit"):
+            try:
+                with open(os.path.join(folder, name)) as f:
+                    codes.add(int(f.read().strip()))
+            except (OSError, ValueError):
+                continue
+    for code in SEVERITY:
+        if code in codes:
+            return int(code)
+    return fallback
+
+
 class TrainerError(Exception):
     """An error the user can act on: printed as one line with its exit code, no traceback."""
 
