@@ -160,6 +160,43 @@ class LogConfig:
 
 
 @dataclass(kw_only=True)
+class CkptConfig:
+    dir: str | None = None
+    """Where checkpoints go (default: <run_dir>/checkpoints): a step-<N> folder per save."""
+    every_steps: int = 0
+    """Save every N optimizer steps (0: off)."""
+    every_epochs: int = 1
+    """Save at the end of every N epochs (0: off). The last step and SIGTERM always save."""
+    keep_last: int = 3
+    """Keep the newest N checkpoints; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """auto (newest checkpoint in `dir` that verifies) | never | PATH (a checkpoint or run dir)."""
+    init_weights: str | None = None
+    """Start from these weights (.safetensors/.pt/.pth; `module.`/`_orig_mod.` prefixes are
+    stripped) when not resuming. Weights only: the optimizer and loop start fresh."""
+
+    def __post_init__(self) -> None:
+        _positive("ckpt.every_steps", self.every_steps, allow_zero=True)
+        _positive("ckpt.every_epochs", self.every_epochs, allow_zero=True)
+        _positive("ckpt.keep_last", self.keep_last)
+        if not self.resume:
+            raise UsageError("ckpt.resume: set auto, never, or a checkpoint path")
+
+
+@dataclass(kw_only=True)
+class ReproConfig:
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN deterministic
+    and no benchmark, CUBLAS_WORKSPACE_CONFIG). Slower on GPU; CPU runs are bitwise anyway."""
+
+
+def ckpt_dir(cfg) -> str:
+    """ckpt.dir, defaulting to <run_dir>/checkpoints (kept unresolved so a re-run under another
+    run_dir never resumes from the original run's checkpoints)."""
+    return os.path.abspath(cfg.ckpt.dir or os.path.join(cfg.run_dir, "checkpoints"))
+
+
+@dataclass(kw_only=True)
 class Config:
     name: str = DEFAULT_PRESET
     """Run name; the default run_dir is runs/<name>."""
@@ -174,6 +211,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    repro: ReproConfig = field(default_factory=ReproConfig)
 
     def __post_init__(self) -> None:
         from trainer import registry

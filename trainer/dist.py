@@ -120,8 +120,12 @@ def choose_device(
     return device, backend
 
 
+_control_group = None  # set by init() when the main backend is not gloo (e.g. nccl)
+
+
 def init(denv: DistEnv, device: str, backend: str, timeout_s: int) -> None:
     """Join the process group (world > 1 only) with a bounded timeout, and pin the GPU."""
+    global _control_group
     import torch
     import torch.distributed as dist
 
@@ -131,9 +135,8 @@ def init(denv: DistEnv, device: str, backend: str, timeout_s: int) -> None:
         return
     kwargs = {}
     if backend == "nccl":
-        kwargs["device_id"] = torch.device(
-            device
-        )  # eager NCCL init: a bad GPU fails here, not mid-step
+        # Eager NCCL init: a broken GPU or network fails here, not in the first step.
+        kwargs["device_id"] = torch.device(device)
     try:
         dist.init_process_group(
             backend=backend,
@@ -143,6 +146,10 @@ def init(denv: DistEnv, device: str, backend: str, timeout_s: int) -> None:
             timeout=datetime.timedelta(seconds=timeout_s),
             **kwargs,
         )
+        if backend != "gloo":
+            _control_group = dist.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=timeout_s)
+            )
     except dist.DistError as e:
         raise RetryableError(
             f"could not form the process group at {denv.master_addr}:{denv.master_port} within "
@@ -171,11 +178,40 @@ def peer_failures_are_retryable(denv: DistEnv, timeout_s: int):
         ) from None
 
 
+def control_group():
+    """A gloo group for small CPU-side agreements (stop flags), so they never sync the GPU."""
+    return _control_group
+
+
 def teardown() -> None:
+    global _control_group
     import torch.distributed as dist
 
+    _control_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def broadcast_object(obj, src: int = 0):
+    """rank src's `obj` on every rank (itself in a single process)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_control_group)
+    return box[0]
+
+
+def gather_objects(obj, dst: int = 0) -> list | None:
+    """Every rank's `obj`, in rank order, on rank dst (None elsewhere)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=_control_group)
+    return out
 
 
 def all_reduce_sum(tensor):

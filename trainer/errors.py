@@ -68,16 +68,28 @@ class TrainerError(Exception):
     """An error the user can act on: printed as one line with its exit code, no traceback."""
 
     exit_code = ExitCode.ERROR
+    every_rank = True
+    """Whether every rank prints it (rank-specific), or rank 0 alone (the same on all ranks)."""
 
 
 class UsageError(TrainerError):
     """Input the user must fix. Printed as one line, exit code 2, no traceback."""
 
     exit_code = ExitCode.USAGE
+    every_rank = False
 
 
 class EnvError(UsageError):
     """A bad launch environment. Rank-specific, so every rank reports it (config errors: rank 0)."""
+
+    every_rank = True
+
+
+class Preempted(TrainerError):
+    """Stopped by a signal at a step boundary, after saving a checkpoint."""
+
+    exit_code = ExitCode.PREEMPTED
+    every_rank = False
 
 
 class RetryableError(TrainerError):

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from trainer import data, sampler
 from trainer.config import Config
-from trainer.dist import DistEnv, all_reduce_sum
+from trainer.dist import DistEnv, all_reduce_sum, control_group
+from trainer.errors import Preempted
 from trainer.metrics import RunLogger
 from trainer.strategy import unwrap
 
@@ -84,29 +85,41 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     return min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
 
 
-def fit(
-    cfg: Config,
-    denv: DistEnv,
-    device: str,
-    spec: data.DataSpec,
-    model,
-    optimizer,
-    scheduler,
-    state: LoopState,
-    logger: RunLogger,
-) -> dict:
-    """Run epochs from `state` to the end; returns the train/eval results for the summary."""
+def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, model, optimizer, scheduler,
+        state: LoopState, logger: RunLogger, ckpt, stop, results: dict | None = None) -> dict:  # fmt: skip
+    """Run epochs from `state` to the end; returns the train/eval results for the summary.
+
+    `ckpt` (resume.Checkpointer) saves on schedule and at the end; `stop` (signals.StopSignal)
+    is checked by all ranks together at every step boundary.
+    """
     last_step = total_steps(cfg, len(epoch_plan(cfg, spec, 0)))
     # Sums of this rank's shares of each step's global mean loss; all-reduced only when logged.
     window_loss = torch.zeros((), dtype=torch.float64, device=device)
     epoch_loss = torch.zeros((), dtype=torch.float64, device=device)
     clock = _Clock()
     window_steps = window_samples = 0
-    results: dict = {}
+    results = dict(results or {})
+    time_before = results.get("train_time_s", 0.0)  # earlier segments of a resumed run
+
+    def save(reason: str, *, must_succeed: bool = False) -> str | None:
+        with clock.paused():
+            results["train_time_s"] = time_before + clock.total
+            if must_succeed:
+                return ckpt.save(state, results, reason)
+            ckpt.save_or_warn(state, results, reason)
+            return None
 
     def run_eval() -> None:
         with clock.paused():
             results["eval"] = _eval_and_log(cfg, denv, device, spec, model, state, logger)
+
+    def check_stop() -> None:
+        if stop.agreed(control_group()):
+            path = save(f"signal {stop.name}", must_succeed=True)
+            raise Preempted(
+                f"stopped by {stop.name} at step {state.step}; checkpoint {path} saved: "
+                "rerun the same command to resume"
+            )
 
     model.train()
     while state.epoch < cfg.train.epochs and state.step < last_step:
@@ -130,24 +143,27 @@ def fit(
             if state.step % cfg.log.every_steps == 0 or state.step == last_step:
                 all_reduce_sum(window_loss)  # sums the ranks' shares: the global mean loss per step
                 elapsed = clock.lap()
-                logger.record(
-                    {
-                        "kind": "train",
-                        "step": state.step,
-                        "epoch": state.epoch,
-                        "loss": window_loss.item() / window_steps,
-                        "lr": scheduler.get_last_lr()[0],
-                        "samples_per_s": window_samples / elapsed if elapsed > 0 else 0.0,
-                    }
-                )
+                results["train"] = {"loss": window_loss.item() / window_steps}
+                logger.record({
+                    "kind": "train",
+                    "step": state.step,
+                    "epoch": state.epoch,
+                    "loss": results["train"]["loss"],
+                    "lr": scheduler.get_last_lr()[0],
+                    "samples_per_s": window_samples / elapsed if elapsed > 0 else 0.0,
+                })  # fmt: skip
                 window_loss.zero_()
                 window_steps = window_samples = 0
             if cfg.train.eval_every_steps and state.step % cfg.train.eval_every_steps == 0:
                 run_eval()
+            check_stop()
             if state.step >= last_step:
                 break
+            if cfg.ckpt.every_steps and state.step % cfg.ckpt.every_steps == 0:
+                save("every_steps")
         all_reduce_sum(epoch_loss)
-        results["train"] = {"loss": epoch_loss.item() / max(1, epoch_steps)}
+        if epoch_steps:
+            results["train"] = {"loss": epoch_loss.item() / epoch_steps, "epoch": state.epoch}
         if state.step_in_epoch >= len(plan):
             if (
                 not cfg.train.eval_every_steps
@@ -156,9 +172,14 @@ def fit(
                 run_eval()
             state.epoch += 1
             state.step_in_epoch = 0
+            every = cfg.ckpt.every_epochs
+            if every and state.epoch % every == 0 and state.step < last_step:
+                save("every_epochs")
     if results.get("eval", {}).get("step") != state.step:
         run_eval()
-    results["train_time_s"] = clock.total
+    if ckpt.last_saved_step != state.step:
+        save("final", must_succeed=True)
+    results["train_time_s"] = time_before + clock.total
     return results
 
 

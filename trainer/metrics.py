@@ -48,6 +48,26 @@ def _fmt(record: dict) -> str:
     return " | ".join(parts)
 
 
+def _truncate_after(path: str, step: int) -> None:
+    """Drop records past `step`: a resumed run recomputes them, so history stays one line per step."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except FileNotFoundError:
+        return
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:
+            continue  # a line cut short by a kill
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+
+
 class RunLogger:
     """Rank 0 writes metrics.jsonl and prints; other ranks do nothing.
 
@@ -61,7 +81,7 @@ class RunLogger:
         *,
         progress: str,
         total_steps: int,
-        append: bool = False,
+        resume_step: int | None = None,
         stream=None,
     ):
         self.stream = stream or sys.stdout
@@ -74,9 +94,11 @@ class RunLogger:
         self._last_draw = 0.0
         self._bar_open = False
         if self.enabled:
-            self._jsonl = open(  # noqa: SIM115 (held open for the whole run; close() closes it)
-                os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w", encoding="utf-8"
-            )
+            path = os.path.join(run_dir, "metrics.jsonl")
+            if resume_step is not None:
+                _truncate_after(path, resume_step)
+            mode = "a" if resume_step is not None else "w"
+            self._jsonl = open(path, mode, encoding="utf-8")  # noqa: SIM115 (closed by close())
 
     def record(self, record: dict) -> None:
         """One metrics.jsonl line; also shown on the console."""

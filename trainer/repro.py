@@ -1,0 +1,98 @@
+"""Reproducibility: deterministic settings, per-rank RNG streams, and what a run records."""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+
+import numpy as np
+import torch
+
+from trainer.config import ReproConfig
+
+
+def configure(cfg: ReproConfig) -> None:
+    """Apply repro.deterministic before any CUDA work."""
+    if not cfg.deterministic:
+        return
+    # cuBLAS needs a fixed workspace for deterministic GEMMs; it must be set before CUDA init.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Give each rank its own RNG stream (dropout etc.), fixed by (seed, rank).
+
+    Called after model init, which uses torch.manual_seed(seed) on every rank so all ranks
+    (and all world sizes) start from identical weights.
+    """
+    entropy = np.random.SeedSequence([seed, rank, 0x7EED]).generate_state(2)
+    derived = int(entropy[0]) << 32 | int(entropy[1])
+    torch.manual_seed(derived)
+    np.random.seed(derived % 2**32)
+    random.seed(derived)
+
+
+def rng_state(device: str) -> dict:
+    """This process's RNG states as plain tensors/numbers (loadable with weights_only=True)."""
+    np_state = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": {
+            "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]),
+            "has_gauss": int(np_state[3]),
+            "cached_gaussian": float(np_state[4]),
+        },
+        "python": list(random.getstate()[1]),
+    }
+    if device.startswith("cuda"):
+        state["cuda"] = torch.cuda.get_rng_state(torch.device(device))
+    return state
+
+
+def set_rng_state(state: dict, device: str) -> None:
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state(
+        (
+            "MT19937",
+            n["keys"].numpy().astype(np.uint32),
+            n["pos"],
+            n["has_gauss"],
+            n["cached_gaussian"],
+        )
+    )
+    random.setstate((3, tuple(state["python"]), None))
+    if device.startswith("cuda") and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], torch.device(device))
+
+
+def git_commit() -> dict | None:
+    """The commit of the code being run: $TRAINER_GIT_COMMIT (set in images), else git."""
+    if os.environ.get("TRAINER_GIT_COMMIT"):
+        return {"commit": os.environ["TRAINER_GIT_COMMIT"], "dirty": None}
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(
+            ["git", "-C", here, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
+        )
+        if commit.returncode != 0:
+            return None
+        status = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def hostname() -> str:
+    return socket.gethostname()
