@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trainer.errors import EnvError, ExitCode, TrainerError, UsageError, record_exit
+from trainer.errors import ExitCode, TrainerError, UsageError, record_exit
 
 EXIT_CODES = """exit codes:
   0  done
@@ -56,7 +56,35 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_config_args(p)
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="build everything, run one step on the epoch's LAST (smallest) batch, one "
+        "eval batch and a checkpoint save/load round trip, then exit",
+    )
+    p.add_argument(
+        "--from",
+        dest="from_run",
+        metavar="RUN_DIR",
+        help="re-run RUN_DIR's exact config.yaml into RUN_DIR/rerun (run_dir=... to change)",
+    )
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser("eval", help="evaluate saved weights on the test split")
+    p.add_argument("src", help="a run directory, checkpoint directory or weights file")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser("export", help="write plain safetensors weights (loadable without trainer)")
+    p.add_argument(
+        "src", help="a run directory, checkpoint directory, or .pt/.pth/.safetensors file"
+    )
+    p.add_argument("-o", "--out", help="output directory (default: SRC/export, or FILE-export)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("doctor", help="check GPUs, NCCL/gloo, /dev/shm, ulimits, env, config, data")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_doctor)
 
     p = sub.add_parser("config", help="show, check or list configs")
     p.add_argument(
@@ -76,11 +104,55 @@ def _is_rank0() -> bool:
 def _cmd_train(args) -> int:
     from trainer import config
 
-    cfg = config.load(args.config, args.overrides)
+    overrides = args.overrides
+    if args.from_run:
+        if args.config:
+            raise UsageError("use --from RUN_DIR or --config, not both")
+        if not os.path.isfile(os.path.join(args.from_run, "config.yaml")):
+            raise UsageError(
+                f"--from {args.from_run}: no config.yaml there (is it a run directory?)"
+            )
+        args.config = args.from_run
+        overrides = [f"run_dir={os.path.join(args.from_run, 'rerun')}", *overrides]
+    cfg = config.load(args.config, overrides)
     from trainer.train import run
 
-    run(cfg)
+    run(cfg, dry_run=args.dry_run)
     return ExitCode.OK
+
+
+def _config_for(src: str, args):
+    """The config that produced `src` (its config.yaml), unless --config names another."""
+    from trainer import checkpoint, config
+
+    found = None if args.config else checkpoint.find_config(src)
+    return config.load(args.config or found, args.overrides)
+
+
+def _cmd_eval(args) -> int:
+    import json
+
+    from trainer import evaluate
+
+    result = evaluate.run(_config_for(args.src, args), args.src)
+    if _is_rank0():
+        print(json.dumps(result))
+    return ExitCode.OK
+
+
+def _cmd_export(args) -> int:
+    from trainer import checkpoint
+
+    print(f"exported {checkpoint.export(args.src, args.out)}")
+    return ExitCode.OK
+
+
+def _cmd_doctor(args) -> int:
+    from trainer import config, doctor
+
+    checks = doctor.run(lambda: config.load(args.config, args.overrides))
+    print(doctor.render(checks))
+    return ExitCode.USAGE if any(level == "fail" for level, _, _ in checks) else ExitCode.OK
 
 
 def _cmd_config(args) -> int:
@@ -126,7 +198,7 @@ def _main(argv: list[str] | None) -> int:
         return int(args.func(args))
     except TrainerError as e:
         # Config errors are the same on every rank: rank 0 reports. Others may differ per rank.
-        if _is_rank0() or not isinstance(e, UsageError) or isinstance(e, EnvError):
+        if _is_rank0() or e.every_rank:
             rank = "" if _is_rank0() else f"[rank {os.environ.get('RANK')}] "
             print(f"trainer: error: {rank}{e}", file=sys.stderr, flush=True)
         return int(e.exit_code)

@@ -1,4 +1,4 @@
-"""`trainer train`: config -> env -> data -> model -> wrap -> loop -> export.
+"""`trainer train`: config -> env -> data -> model -> resume -> wrap -> loop -> export.
 
 One process of a job. Launch it any of these ways; all end in this same code:
 
@@ -10,15 +10,18 @@ One process of a job. Launch it any of these ways; all end in this same code:
 
 from __future__ import annotations
 
+import json
 import os
-import socket
+import sys
 import time
 
 import torch
 
-from trainer import checkpoint, data, dist, loop, metrics, models, optim, strategy
+from trainer import checkpoint, data, dist, loop, metrics, models, optim, repro, strategy
 from trainer.config import Config, to_dict, to_yaml
 from trainer.errors import UsageError
+from trainer.resume import Checkpointer
+from trainer.signals import StopSignal
 
 
 def check_batch(cfg: Config, denv: dist.DistEnv) -> None:
@@ -32,77 +35,110 @@ def check_batch(cfg: Config, denv: dist.DistEnv) -> None:
         )
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, *, dry_run: bool = False) -> dict:
     """Train one rank of the job described by cfg and torchrun's environment."""
     started = time.time()
     denv = dist.from_env(os.environ)
     device, backend = dist.choose_device(
-        denv,
-        cfg.dist.device,
-        cfg.dist.backend,
+        denv, cfg.dist.device, cfg.dist.backend,
         torch.cuda.device_count() if cfg.dist.device != "cpu" else 0,
         os.environ.get("CUDA_VISIBLE_DEVICES"),
-    )
+    )  # fmt: skip
     wrap_as = strategy.resolve(cfg.dist.strategy, denv)
     check_batch(cfg, denv)
+    repro.configure(cfg.repro)
     dist.init(denv, device, backend, cfg.dist.timeout_s)
     try:
         with dist.peer_failures_are_retryable(denv, cfg.dist.timeout_s):
-            return _train(cfg, denv, device, backend, wrap_as, started)
+            return _train(cfg, denv, device, backend, wrap_as, started, dry_run)
     finally:
         dist.teardown()
 
 
-def _train(
-    cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: str, started: float
-) -> dict:
+def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: str,
+           started: float, dry_run: bool) -> dict:  # fmt: skip
+    say = print if denv.is_main else (lambda *_a, **_k: None)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
-    model = strategy.wrap(model, wrap_as, denv, device)
     optimizer = optim.build_optimizer(cfg.optim, model.parameters())
     steps_per_epoch = len(loop.epoch_plan(cfg, spec, 0))
     last_step = loop.total_steps(cfg, steps_per_epoch)
     scheduler = optim.build_scheduler(cfg.sched, optimizer, steps_per_epoch, last_step)
-
-    run_dir = os.path.abspath(cfg.run_dir)
-    if denv.is_main:  # only rank 0 writes shared files
-        os.makedirs(run_dir, exist_ok=True)
-        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(to_yaml(cfg))
-    logger = metrics.RunLogger(
-        run_dir if denv.is_main else None, progress=cfg.log.progress, total_steps=last_step
-    )
-    logger.info(
+    ckpt = Checkpointer(cfg, denv, device, model, optimizer, scheduler, info=say)
+    state, results = ckpt.restore()
+    model = strategy.wrap(model, wrap_as, denv, device)
+    hosts = dist.gather_objects(repro.hostname())
+    banner = (
         f"{cfg.name}: {cfg.data.name} ({len(spec.train)} train / {len(spec.test)} test) | "
         f"model {cfg.model.name} | world {denv.world_size} x {device} ({backend}, {wrap_as}) | "
         f"global batch {cfg.data.global_batch_size}, {steps_per_epoch} steps/epoch"
     )
-    state = loop.LoopState()
-    try:
-        results = loop.fit(cfg, denv, device, spec, model, optimizer, scheduler, state, logger)
-    finally:
-        logger.close()
+    if dry_run:
+        from trainer.preflight import dry_run as preflight
 
-    summary = {
+        say(banner)
+        return preflight(cfg, denv, device, spec, model, optimizer, scheduler, ckpt, state, say)
+
+    run_dir = os.path.abspath(cfg.run_dir)
+    summary_path = os.path.join(run_dir, "summary.json")
+    if state.step >= last_step and os.path.isfile(summary_path):
+        say(
+            f"{run_dir} is already complete (step {state.step}/{last_step}); nothing to do. "
+            "To train again: ckpt.resume=never, or a new run_dir"
+        )
+        with open(summary_path, encoding="utf-8") as f:
+            return json.load(f)
+    record = {
         "name": cfg.name,
+        "seed": cfg.seed,
         "world_size": denv.world_size,
+        "hostnames": hosts,
         "device": device,
         "backend": backend,
         "strategy": wrap_as,
-        "seed": cfg.seed,
+        "restart_count": denv.restart_count,
+        "git": repro.git_commit() if denv.is_main else None,
+        "versions": metrics.versions(),
+        "argv": sys.argv,
+    }
+    if denv.is_main:  # only rank 0 writes shared files
+        try:
+            os.makedirs(run_dir, exist_ok=True)
+            with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+                f.write(to_yaml(cfg))
+            metrics.write_json(os.path.join(run_dir, "run.json"), {**record, "started": started})
+        except OSError as e:
+            raise UsageError(
+                f"cannot write run_dir {run_dir} ({e.strerror}): free space or point run_dir at a "
+                "writable volume"
+            ) from None
+    logger = metrics.RunLogger(
+        run_dir if denv.is_main else None,
+        progress=cfg.log.progress,
+        total_steps=last_step,
+        resume_step=state.step if state.step else None,
+    )
+    logger.info(banner)
+    try:
+        with StopSignal() as stop:
+            results = loop.fit(cfg, denv, device, spec, model, optimizer, scheduler, state, logger,
+                               ckpt, stop, results)  # fmt: skip
+    finally:
+        logger.close()
+
+    train_time = results["train_time_s"]  # all segments of a resumed run
+    summary = {
+        **record,
         "steps": state.step,
         "epochs": state.epoch,
         "samples_seen": state.samples_seen,
-        "train": results["train"],
+        "train": results.get("train", {}),
         "eval": {k: v for k, v in results["eval"].items() if k != "step"},
-        "train_time_s": results["train_time_s"],
-        "samples_per_s": state.samples_seen / results["train_time_s"]
-        if results["train_time_s"]
-        else 0.0,
+        "train_time_s": train_time,
+        "samples_per_s": state.samples_seen / train_time if train_time else 0.0,
         "wall_s": time.time() - started,
-        "hostname": socket.gethostname(),
-        "versions": metrics.versions(),
+        "checkpoint_failures": ckpt.failures,
         "config": to_dict(cfg),
     }
     if denv.is_main:
@@ -112,8 +148,8 @@ def _train(
         metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
         ev = summary["eval"]
         acc = f", accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else ""
-        print(
-            f"done: {state.step} steps in {summary['train_time_s']:.1f} s "
+        say(
+            f"done: {state.step} steps in {train_time:.1f} s "
             f"({summary['samples_per_s']:,.0f} samples/s) | test loss {ev['loss']:.4f}{acc} "
             f"({ev['count']} samples)\n"
             f"run dir: {run_dir}  (config.yaml, metrics.jsonl, summary.json, final/model.safetensors)",
