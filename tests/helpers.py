@@ -113,3 +113,78 @@ def weights(run_dir) -> dict:
     from safetensors.torch import load_file
 
     return load_file(str(Path(run_dir) / "final" / "model.safetensors"))
+
+
+def slow_mlp(in_shape, num_classes, hidden=(32,), dropout=0.0, delay=0.02):
+    """The built-in MLP plus a sleep per forward: gives signal/kill tests time to land mid-run."""
+    import time
+
+    from trainer.models import mlp
+
+    model = mlp(in_shape, num_classes, hidden=hidden, dropout=dropout)
+    model.register_forward_pre_hook(lambda *_: time.sleep(delay) if model.training else None)
+    return model
+
+
+def wait_for(predicate, timeout: float, what: str, proc=None, interval: float = 0.05):
+    """Poll until predicate() is truthy; fail with `what` (and the process's output) on timeout."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise AssertionError(
+                f"process exited ({proc.returncode}) while waiting for {what}\n{out[-3000:]}"
+            )
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def checkpoints(run_dir) -> list[str]:
+    folder = Path(run_dir) / "checkpoints"
+    return (
+        sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
+        if folder.is_dir()
+        else []
+    )
+
+
+def children(pid: int) -> list[int]:
+    """Direct child process ids (torchrun's workers), read from /proc."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def spawn(*args, nproc: int | None = None, extra_env=None, max_restarts: int = 0):
+    """Start the trainer (or torchrun) in the background, output in proc.stdout."""
+    if nproc is None:
+        cmd = [sys.executable, "-m", "trainer", *args]
+    else:
+        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}",
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "trainer", *args]  # fmt: skip
+    return subprocess.Popen(cmd, env=env(**(extra_env or {})), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def nan_model(num_classes, in_shape):
+    """A model whose outputs are NaN: what a diverged run looks like on its first step."""
+    import torch
+
+    model = tiny_model(num_classes, in_shape)
+    with torch.no_grad():
+        model[-1].bias.fill_(float("nan"))
+    return model

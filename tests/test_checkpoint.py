@@ -1,0 +1,280 @@
+"""The checkpoint format: atomic, verified, weights_only, prefix- and device-tolerant."""
+
+import errno
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.helpers import ROOT, tiny_model
+from trainer import checkpoint, config
+from trainer.errors import UsageError
+from trainer.resume import CheckpointWriteError, config_conflicts
+from trainer.train import run
+
+TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "data.global_batch_size=4",
+        "train.epochs=4", "optim.name=sgd", "optim.lr=0.1", "log.progress=none", "ckpt.every_epochs=1",
+        "ckpt.keep_last=10"]  # fmt: skip
+
+
+def _run(run_dir, *extra):
+    return run(config.load(None, [*TINY, f"run_dir={run_dir}", *extra]))
+
+
+@pytest.fixture
+def trained(tmp_path):
+    _run(tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_a_run_leaves_verified_checkpoints_with_everything(trained):
+    ckpts = checkpoint.list_checkpoints(str(trained / "checkpoints"))
+    assert [s for s, _ in ckpts] == [12, 9, 6, 3]
+    path = ckpts[0][1]
+    checkpoint.verify(path)
+    assert sorted(os.listdir(path)) == sorted([*checkpoint.FILES, checkpoint.MANIFEST])
+    payload = checkpoint.load(path)
+    assert payload["meta"]["loop"] == {
+        "epoch": 4,
+        "step": 12,
+        "step_in_epoch": 0,
+        "samples_seen": 36,
+    }
+    assert {"scheduler", "scaler", "rng", "world_size"} <= payload["extra"].keys()
+    assert len(payload["extra"]["rng"]) == 1 and "torch" in payload["extra"]["rng"][0]
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in payload["model"])
+    assert "optimizer" in payload and payload["config_yaml"].startswith("name:")
+
+
+def test_keep_last_prunes_old_checkpoints(tmp_path):
+    _run(tmp_path / "run", "ckpt.keep_last=2")
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "run" / "checkpoints"))] == [
+        12,
+        9,
+    ]
+
+
+def _truncate(p):
+    with open(p, "r+b") as f:
+        f.truncate(os.path.getsize(p) // 2)
+
+
+def _flip(p):
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    p.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        (
+            lambda c: _truncate(c / "model.safetensors"),
+            "model.safetensors does not match its sha256",
+        ),
+        (lambda c: _flip(c / "optimizer.pt"), "optimizer.pt does not match its sha256"),
+        (lambda c: (c / "state.pt").unlink(), "state.pt is missing"),
+        (lambda c: (c / checkpoint.MANIFEST).unlink(), "no readable MANIFEST.sha256"),
+        (lambda c: (c / checkpoint.MANIFEST).write_text("garbage\n"), "malformed MANIFEST.sha256"),
+        (lambda c: (c / "meta.json").write_text("{}"), "meta.json does not match its sha256"),
+    ],
+)
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(trained, damage, reason):
+    root = trained / "checkpoints"
+    damage(root / "step-000000012")
+    warnings = []
+    assert checkpoint.latest_valid(str(root), warnings.append) == str(root / "step-000000009")
+    assert (
+        len(warnings) == 1 and "step-000000012 is corrupt" in warnings[0] and reason in warnings[0]
+    )
+    with pytest.raises(UsageError, match="corrupt checkpoint"):
+        checkpoint.resolve_resume(str(root / "step-000000012"), str(root), warnings.append)
+
+
+def test_resume_auto_skips_a_corrupt_newest_and_says_so(trained, capsys):
+    _truncate(trained / "checkpoints" / "step-000000012" / "model.safetensors")
+    summary = _run(trained, "train.epochs=5")
+    out = capsys.readouterr().out
+    assert "step-000000012 is corrupt" in out and "resumed from" in out and "step-000000009" in out
+    assert summary["steps"] == 15
+
+
+def test_stale_temporaries_are_cleaned_and_a_half_replaced_checkpoint_restored(trained):
+    root = trained / "checkpoints"
+    (root / ".step-000000015.tmp-999").mkdir()
+    os.rename(root / "step-000000012", root / ".step-000000012.old-998")  # killed mid-replace
+    checkpoint.remove_stale_temporaries(str(root))
+    assert sorted(os.listdir(root)) == [
+        "step-000000003",
+        "step-000000006",
+        "step-000000009",
+        "step-000000012",
+    ]
+    checkpoint.verify(str(root / "step-000000012"))
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_Evil.marker}",))
+
+
+def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path):
+    _Evil.marker = tmp_path / "pwned"
+    bad = tmp_path / "weights.pt"
+    torch.save({"w": torch.zeros(2), "payload": _Evil()}, bad)
+    with pytest.raises(UsageError, match="refused to load .*weights_only"):
+        checkpoint.read_weights(str(bad))
+    assert not _Evil.marker.exists()
+
+
+@pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "module._orig_mod."])
+@pytest.mark.parametrize("fmt", ["pt", "safetensors", "nested-pt"])
+def test_wrapped_weights_load_into_a_plain_model(tmp_path, prefix, fmt):
+    src = tiny_model(3, (1, 4, 4))
+    state = {prefix + k: v for k, v in src.state_dict().items()}
+    path = tmp_path / f"w.{'safetensors' if fmt == 'safetensors' else 'pt'}"
+    if fmt == "safetensors":
+        save_file(state, path)
+    else:
+        torch.save({"state_dict": state, "epoch": 3} if fmt == "nested-pt" else state, path)
+    dst = tiny_model(3, (1, 4, 4))
+    checkpoint.load_weights_into(dst, str(path))
+    for k, v in src.state_dict().items():
+        assert torch.equal(dst.state_dict()[k], v)
+
+
+def test_a_gpu_saved_checkpoint_loads_on_cpu(tmp_path, monkeypatch):
+    # Record the storage location as cuda:1, exactly as a GPU process would.
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:1")
+    torch.save({"w": torch.arange(4.0)}, tmp_path / "gpu.pt")
+    monkeypatch.undo()
+    raw = (tmp_path / "gpu.pt").read_bytes()
+    assert b"cuda:1" in raw
+    assert torch.equal(checkpoint.read_weights(str(tmp_path / "gpu.pt"))["w"], torch.arange(4.0))
+
+
+def test_mismatched_weights_name_the_fix(tmp_path):
+    torch.save({"other.weight": torch.zeros(1)}, tmp_path / "w.pt")
+    with pytest.raises(UsageError, match="do not fit model"):
+        checkpoint.load_weights_into(tiny_model(3, (1, 4, 4)), str(tmp_path / "w.pt"))
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_intact(trained, monkeypatch, capsys):
+    root = trained / "checkpoints"
+    before = {
+        p: (root / "step-000000012" / p).read_bytes() for p in os.listdir(root / "step-000000012")
+    }
+
+    def disk_full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write_torch", disk_full)
+    with pytest.raises(CheckpointWriteError) as e:
+        _run(trained, "train.epochs=5")  # the final save must succeed, so the run fails (exit 4)
+    assert "No space left on device" in str(e.value) and "step-000000012" in str(e.value)
+    assert e.value.exit_code == 4
+    assert [n for n in os.listdir(root) if n.startswith(".")] == []  # no half-written leftovers
+    after = {
+        p: (root / "step-000000012" / p).read_bytes() for p in os.listdir(root / "step-000000012")
+    }
+    assert before == after
+    checkpoint.verify(str(root / "step-000000012"))
+
+
+def test_a_failed_periodic_save_warns_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    real_save = checkpoint.save
+    calls = []
+
+    def flaky(root, step, **kw):
+        calls.append(step)
+        if step == 6:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_save(root, step, **kw)
+
+    monkeypatch.setattr(checkpoint, "save", flaky)
+    summary = _run(tmp_path / "run")
+    assert "WARNING: checkpoint at step 6 could not be written" in capsys.readouterr().out
+    assert summary["steps"] == 12 and summary["checkpoint_failures"] == 1
+    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "run" / "checkpoints"))] == [
+        12,
+        9,
+        3,
+    ]
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("mount"), reason="needs root to mount a tmpfs"
+)
+def test_a_real_full_disk_keeps_the_previous_checkpoint(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode
+        != 0
+    ):
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        _run(disk / "run", "train.epochs=1")  # one small checkpoint fits
+        st = os.statvfs(disk)
+        # Leave room for the run's small files (run.json, metrics) but not for a checkpoint.
+        (disk / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 12 * 1024))
+        with pytest.raises(CheckpointWriteError) as e:
+            _run(disk / "run", "train.epochs=2")
+        assert "No space left on device" in str(e.value) and "step-000000003" in str(e.value)
+        root = disk / "run" / "checkpoints"
+        assert [s for s, _ in checkpoint.list_checkpoints(str(root))] == [3]
+        checkpoint.verify(str(root / "step-000000003"))
+        assert [n for n in os.listdir(root) if n.startswith(".")] == []
+    finally:
+        subprocess.run(["umount", str(disk)])
+
+
+def test_export_writes_plain_safetensors_from_a_run_and_from_wrapped_weights(trained, tmp_path):
+    p = subprocess.run([str(ROOT / ".venv/bin/trainer") if (ROOT / ".venv/bin/trainer").exists() else "trainer",
+                        "export", str(trained)], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    weights = load_file(str(trained / "export" / "model.safetensors"))
+    assert set(weights) == set(tiny_model(3, (1, 4, 4)).state_dict())
+    assert (trained / "export" / "config.yaml").exists()
+    wrapped = tmp_path / "dp.pth"
+    torch.save({f"module.{k}": v for k, v in weights.items()}, wrapped)
+    out = checkpoint.export(str(wrapped))
+    assert out == str(tmp_path / "dp-export" / "model.safetensors")
+    assert set(load_file(out)) == set(weights)
+
+
+def test_resume_refuses_a_config_change_that_breaks_exactness(trained):
+    with pytest.raises(UsageError, match=r"cannot resume .*data.global_batch_size: 4 -> 8"):
+        _run(trained, "train.epochs=5", "data.global_batch_size=8")
+
+
+def test_which_config_changes_a_resume_accepts():
+    saved = config.to_dict(config.load(None, []))
+    ok = config.to_dict(
+        config.load(None, ["train.epochs=99", "log.every_steps=1", "run_dir=x", "dist.timeout_s=9"])
+    )
+    assert config_conflicts(saved, ok) == []
+    bad = config.to_dict(config.load(None, ["optim.lr=0.5", "seed=3"]))
+    assert config_conflicts(saved, bad) == ["optim.lr: 0.001 -> 0.5", "seed: 0 -> 3"]
+
+
+def test_resume_keeps_the_new_schedule(trained):
+    summary = _run(trained, "train.epochs=8", "sched.name=cosine")
+    assert summary["steps"] == 24
+
+
+def test_init_weights_starts_from_foreign_weights(trained, tmp_path):
+    weights = load_file(str(trained / "final" / "model.safetensors"))
+    torch.save({f"module.{k}": v for k, v in weights.items()}, tmp_path / "dp.pt")
+    _run(
+        tmp_path / "warm",
+        f"ckpt.init_weights={tmp_path / 'dp.pt'}",
+        "optim.lr=1e-9",
+        "train.epochs=1",
+    )
+    after = load_file(str(tmp_path / "warm" / "final" / "model.safetensors"))
+    for k, v in weights.items():
+        assert torch.allclose(after[k], v, atol=1e-6)

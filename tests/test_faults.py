@@ -1,0 +1,146 @@
+"""Faults and preflight: SIGKILLed ranks under torchrun restarts, dry run, doctor, re-runs."""
+
+import hashlib
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from tests.helpers import ROOT, checkpoints, children, env, spawn, trainer, wait_for, weights
+from trainer import doctor
+
+RESTART = ["model.name=tests.helpers:slow_mlp", "model.hidden=[32]", "train.epochs=8", "log.every_steps=5",
+           "ckpt.every_steps=5", "ckpt.keep_last=3", "log.progress=plain"]  # fmt: skip
+TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "data.global_batch_size=4",
+        "train.epochs=2", "log.progress=none"]  # fmt: skip
+KILLS = 10
+
+
+@pytest.mark.slow
+def test_ten_sigkills_under_max_restarts_all_recover_with_identical_weights(tmp_path):
+    reference = tmp_path / "reference"
+    trainer("train", *RESTART, "model.kwargs.delay=0", f"run_dir={reference}", nproc=2)
+
+    run_dir = tmp_path / "run"
+    proc = spawn("train", *RESTART, "model.kwargs.delay=0.02", f"run_dir={run_dir}", nproc=2,
+                 max_restarts=KILLS + 2)  # fmt: skip
+    last_seen = None
+    for kill in range(KILLS):
+        # Wait for progress past the previous kill: a checkpoint this attempt wrote.
+        newest = wait_for(lambda seen=last_seen: (c := checkpoints(run_dir)) and c[-1] != seen and c[-1],
+                          180, f"a new checkpoint before kill {kill + 1}", proc)  # fmt: skip
+        last_seen = newest
+        workers = children(proc.pid)
+        assert len(workers) == 2, f"kill {kill + 1}: expected 2 workers, found {workers}"
+        os.kill(workers[kill % 2], signal.SIGKILL)  # alternate between the two ranks
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["restart_count"] == KILLS and summary["steps"] == 184
+    assert out.count("resumed from") == KILLS
+    w, ref = weights(run_dir), weights(reference)
+    assert all(torch.equal(w[k], ref[k]) for k in ref), "restarted run differs from the reference"
+
+
+def _tree_digest(folder):
+    h = hashlib.sha256()
+    for root, _dirs, files in sorted(os.walk(folder)):
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                h.update(path.encode() + f.read())
+    return h.hexdigest()
+
+
+def test_dry_run_exercises_the_tail_batch_and_a_checkpoint_round_trip_and_keeps_nothing(tmp_path):
+    run_dir = tmp_path / "run"
+    trainer("train", *TINY, f"run_dir={run_dir}")
+    before = _tree_digest(run_dir)
+    p = trainer("train", "--dry-run", *TINY, "train.epochs=3", f"run_dir={run_dir}", nproc=2)
+    # 9 samples in batches of 4: the last global batch holds 1 sample for 2 ranks.
+    assert "dry run ok: last batch (step 3/3, 1 samples over 2 rank(s))" in p.stdout
+    assert "checkpoint" in p.stdout and "saved, verified and loaded" in p.stdout
+    assert _tree_digest(run_dir) == before  # nothing written, nothing lost
+
+    fresh = tmp_path / "fresh"
+    trainer("train", "--dry-run", *TINY, f"run_dir={fresh}")
+    assert not fresh.exists() or not any(fresh.rglob("*.json"))
+
+
+def test_dry_run_fails_fast_on_a_non_finite_loss(tmp_path):
+    p = trainer(
+        "train",
+        "--dry-run",
+        *TINY,
+        "model.name=tests.helpers:nan_model",
+        f"run_dir={tmp_path}",
+        check=False,
+    )
+    assert p.returncode == 2
+    assert "dry run: the loss on the last batch is nan" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_doctor_reports_and_fails_on_a_broken_env():
+    p = trainer("doctor", check=False)
+    assert p.returncode == 0, p.stdout
+    for name in (
+        "GPUs",
+        "gloo",
+        "/dev/shm",
+        "ulimit memlock",
+        "torchrun env",
+        "config",
+        "data",
+        "run_dir",
+    ):
+        assert name in p.stdout
+    p = trainer(
+        "doctor", extra_env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, check=False
+    )
+    assert (
+        p.returncode == 2
+        and "FAIL  torchrun env" in p.stdout
+        and "RANK=5 must be < WORLD_SIZE=2" in p.stdout
+    )
+    p = trainer("doctor", "data.name=nope", check=False)
+    assert p.returncode == 2 and "FAIL  config" in p.stdout
+
+
+def test_doctor_warns_about_a_small_dev_shm(monkeypatch):
+    small = os.statvfs_result((4096, 4096, 16384, 16384, 16384, 0, 0, 0, 0, 255))  # 64 MiB
+    monkeypatch.setattr(doctor.os, "statvfs", lambda _p: small)
+    level, _, detail = doctor.check_shm()
+    assert level == "warn" and "0.06 GiB" in detail and "shm_size" in detail
+
+
+def test_from_reruns_a_run_exactly_and_records_where_it_ran(tmp_path):
+    run_dir = tmp_path / "run"
+    trainer("train", *TINY, "model.dropout=0.0", f"run_dir={run_dir}")
+    trainer("train", "--from", str(run_dir))
+    a, b = weights(run_dir), weights(run_dir / "rerun")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["world_size"] == 1 and record["seed"] == 0 and len(record["hostnames"]) == 1
+    assert (
+        record["versions"]["torch"] == torch.__version__.split("+")[0]
+        or record["versions"]["torch"]
+    )
+    assert record["git"] is None or len(record["git"]["commit"]) == 40
+    assert record["argv"][-1] == f"run_dir={run_dir}"
+
+
+def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path):
+    code = ("import os, torch\nfrom trainer import config\nfrom trainer.train import run\n"
+            f"run(config.load(None, {[*TINY, f'run_dir={tmp_path}', 'repro.deterministic=true']!r}))\n"
+            "assert torch.are_deterministic_algorithms_enabled()\n"
+            "assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic\n"
+            "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n")  # fmt: skip
+    import subprocess
+    import sys
+
+    p = subprocess.run(
+        [sys.executable, "-c", code], env=env(), cwd=ROOT, capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr
