@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local test lint format bench lock clean
+.PHONY: help setup run-local test lint format bench lock clean tensorboard
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -44,6 +44,9 @@ lint: setup  ## static checks
 format: setup  ## apply the formatter
 	$(BIN)/ruff format trainer tests $(wildcard bench)
 	$(BIN)/ruff check --fix trainer tests $(wildcard bench)
+
+tensorboard: setup  ## serve runs/*/tb on http://localhost:6006
+	$(BIN)/tensorboard --logdir runs --bind_all --port 6006
 
 lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway venv)
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv

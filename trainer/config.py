@@ -96,7 +96,7 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class SchedConfig:
     name: str = "none"
-    """none | step | cosine. The learning rate is a pure function of the optimizer step."""
+    """none | step | cosine | onecycle. The lr is a pure function of the optimizer step."""
     warmup_steps: int = 0
     """Linear warm-up from 0 to optim.lr over this many steps."""
     step_size_epochs: int = 1
@@ -104,9 +104,13 @@ class SchedConfig:
     gamma: float = 0.7
     min_lr_ratio: float = 0.0
     """cosine: final lr as a fraction of optim.lr."""
+    pct_start: float = 0.3
+    """onecycle: share of the steps spent rising from lr/25 to optim.lr (then cosine to lr/1e4)."""
 
     def __post_init__(self) -> None:
-        check_choice("sched.name", self.name, ("none", "step", "cosine"))
+        check_choice("sched.name", self.name, ("none", "step", "cosine", "onecycle"))
+        if not 0.0 < self.pct_start < 1.0:
+            raise UsageError(f"sched.pct_start: must be between 0 and 1, got {self.pct_start}")
         _positive("sched.warmup_steps", self.warmup_steps, allow_zero=True)
         _positive("sched.step_size_epochs", self.step_size_epochs)
 
@@ -120,10 +124,30 @@ class TrainConfig:
     """Evaluate every N optimizer steps; 0: at epoch ends (see eval_every_epochs)."""
     eval_every_epochs: int = 1
     """With eval_every_steps=0: evaluate every N epochs. The last step is always evaluated."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16: autocast dtype. fp16 adds a GradScaler; on overflow every rank skips
+    the step together (DDP gives them the same gradients)."""
+    fp16_init_scale: float = 65536.0
+    """fp16: the GradScaler's initial loss scale."""
+    micro_batch_size: int | None = None
+    """Per-rank samples per forward/backward. Smaller than the rank's share of the global batch:
+    the step is split into micro-steps (no DDP sync until the last), same result, less memory."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value (after the all-reduce, before the step)."""
+    compile: bool = False
+    """torch.compile the model (after DDP wrapping)."""
+    channels_last: bool = False
+    """channels_last memory format for 4-D inputs and conv weights (faster convs on GPU)."""
 
     def __post_init__(self) -> None:
         _positive("train.epochs", self.epochs)
         _positive("train.eval_every_epochs", self.eval_every_epochs)
+        check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        _positive("train.fp16_init_scale", self.fp16_init_scale)
+        if self.micro_batch_size is not None:
+            _positive("train.micro_batch_size", self.micro_batch_size)
+        if self.clip_grad_norm is not None:
+            _positive("train.clip_grad_norm", self.clip_grad_norm)
         if self.max_steps is not None:
             _positive("train.max_steps", self.max_steps)
         _positive("train.eval_every_steps", self.eval_every_steps, allow_zero=True)
@@ -153,6 +177,9 @@ class LogConfig:
     """Write a metrics.jsonl record (and a console line) every N optimizer steps."""
     progress: str = "auto"
     """auto (a bar on a TTY, plain lines otherwise) | bar | plain | none."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to <run_dir>/tb (skipped, with a note, if the
+    tensorboard package is not installed: pip install 'trainer[tensorboard]')."""
 
     def __post_init__(self) -> None:
         _positive("log.every_steps", self.every_steps)

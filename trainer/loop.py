@@ -9,14 +9,16 @@ the floating-point sum). A rank with an empty slice contributes zero and still a
 from __future__ import annotations
 
 import contextlib
+import re
 import time
+import warnings
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
 
 from trainer import data, sampler
-from trainer.config import Config
+from trainer.config import Config, TrainConfig
 from trainer.dist import DistEnv, all_reduce_sum, control_group
 from trainer.errors import Preempted
 from trainer.metrics import RunLogger
@@ -45,19 +47,95 @@ def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, y.reshape(out.shape).to(out.dtype), reduction="sum")
 
 
-def train_step(
-    model, optimizer, scheduler, x, y, global_count: int, world: int, task: str
-) -> torch.Tensor:
-    """One optimizer step on this rank's slice; returns its share of the global mean loss."""
-    optimizer.zero_grad(set_to_none=True)
-    local = loss_sum(task, model(x), y)
-    (local * (world / global_count)).backward()
-    optimizer.step()
-    scheduler.step()
-    return local.detach() / global_count
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-@torch.no_grad()
+def make_scaler(cfg: TrainConfig, device: str) -> torch.amp.GradScaler:
+    """fp16's loss scaler (a disabled pass-through otherwise); its state is checkpointed."""
+    return torch.amp.GradScaler(
+        torch.device(device).type, init_scale=cfg.fp16_init_scale, enabled=cfg.precision == "fp16"
+    )
+
+
+class TrainStep:
+    """One optimizer step on this rank's slice of the global batch.
+
+    Micro-steps (train.micro_batch_size) accumulate gradients under DDP's no_sync until the
+    last, so there is one all-reduce per step and the gradient equals the unsplit step's.
+    A rank with an empty slice still runs one (empty) micro-step to join that all-reduce.
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        model,
+        optimizer,
+        scheduler,
+        scaler,
+        task: str,
+        world: int,
+        device: str,
+    ):
+        self.model, self.optimizer, self.scheduler, self.scaler = (
+            model,
+            optimizer,
+            scheduler,
+            scaler,
+        )
+        self.task, self.world = task, world
+        self.device_type = torch.device(device).type
+        self.dtype = _DTYPES[cfg.precision]
+        self.micro = cfg.micro_batch_size
+        self.clip = cfg.clip_grad_norm
+        self.channels_last = cfg.channels_last
+        self.skipped_steps = 0
+
+    def _chunks(self, x, y):
+        if not self.micro or len(x) <= self.micro:
+            return [(x, y)]
+        return list(zip(x.split(self.micro), y.split(self.micro), strict=True))
+
+    def __call__(self, x, y, global_count: int) -> torch.Tensor:
+        """Returns this rank's share of the step's global mean loss (detached)."""
+        if self.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks = self._chunks(x, y)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for i, (xc, yc) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            sync = (
+                contextlib.nullcontext()
+                if last or not hasattr(self.model, "no_sync")
+                else self.model.no_sync()
+            )
+            with sync:
+                with torch.autocast(
+                    self.device_type, dtype=self.dtype, enabled=self.dtype is not None
+                ):
+                    local = loss_sum(self.task, self.model(xc), yc)
+                # Sum of losses x world / global count: after DDP's average, sum/global_count.
+                self.scaler.scale(local * (self.world / global_count)).backward()
+            total += local.detach().float()
+        if self.clip is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)  # skips the step if any gradient is inf/nan (fp16)
+        self.scaler.update()
+        if scale is not None and self.scaler.get_scale() < scale:
+            self.skipped_steps += 1
+        with warnings.catch_warnings():
+            # After a skipped fp16 step torch warns the schedule may skip its first value; ours
+            # is a pure function of the step count, which counts skipped steps too.
+            warnings.filterwarnings(
+                "ignore", message=re.escape("Detected call of `lr_scheduler.step()`")
+            )
+            self.scheduler.step()
+        return total / global_count
+
+
+@torch.inference_mode()
 def evaluate(model, spec: data.DataSpec, denv: DistEnv, device: str, batch: int) -> dict:
     """Loss (and accuracy) over the whole test split, each sample counted once across ranks."""
     net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
@@ -85,7 +163,7 @@ def total_steps(cfg: Config, steps_per_epoch: int) -> int:
     return min(planned, cfg.train.max_steps) if cfg.train.max_steps else planned
 
 
-def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, model, optimizer, scheduler,
+def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, step: TrainStep,
         state: LoopState, logger: RunLogger, ckpt, stop, results: dict | None = None) -> dict:  # fmt: skip
     """Run epochs from `state` to the end; returns the train/eval results for the summary.
 
@@ -111,7 +189,7 @@ def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, model, opt
 
     def run_eval() -> None:
         with clock.paused():
-            results["eval"] = _eval_and_log(cfg, denv, device, spec, model, state, logger)
+            results["eval"] = _eval_and_log(cfg, denv, device, spec, step.model, state, logger)
 
     def check_stop() -> None:
         if stop.agreed(control_group()):
@@ -121,7 +199,7 @@ def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, model, opt
                 "rerun the same command to resume"
             )
 
-    model.train()
+    step.model.train()
     while state.epoch < cfg.train.epochs and state.step < last_step:
         plan = epoch_plan(cfg, spec, state.epoch)
         epoch_loss.zero_()
@@ -130,7 +208,7 @@ def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, model, opt
             spec, plan, denv.rank, denv.world_size, state.step_in_epoch
         ):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            loss = train_step(model, optimizer, scheduler, x, y, count, denv.world_size, spec.task)
+            loss = step(x, y, count)
             window_loss += loss
             epoch_loss += loss
             window_steps += 1
@@ -149,7 +227,7 @@ def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, model, opt
                     "step": state.step,
                     "epoch": state.epoch,
                     "loss": results["train"]["loss"],
-                    "lr": scheduler.get_last_lr()[0],
+                    "lr": step.scheduler.get_last_lr()[0],
                     "samples_per_s": window_samples / elapsed if elapsed > 0 else 0.0,
                 })  # fmt: skip
                 window_loss.zero_()

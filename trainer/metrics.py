@@ -68,6 +68,19 @@ def _truncate_after(path: str, step: int) -> None:
     os.replace(tmp, path)
 
 
+def _tensorboard(folder: str, resume_step: int | None, note):
+    """A SummaryWriter, or None (with a note) when the tensorboard package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        note(
+            "note: tensorboard is not installed, so no event files (pip install 'trainer[tensorboard]')"
+        )
+        return None
+    # purge_step hides events a killed attempt wrote past the checkpoint we resumed from.
+    return SummaryWriter(folder, purge_step=resume_step + 1 if resume_step is not None else None)
+
+
 class RunLogger:
     """Rank 0 writes metrics.jsonl and prints; other ranks do nothing.
 
@@ -82,6 +95,7 @@ class RunLogger:
         progress: str,
         total_steps: int,
         resume_step: int | None = None,
+        tensorboard: bool = False,
         stream=None,
     ):
         self.stream = stream or sys.stdout
@@ -99,6 +113,11 @@ class RunLogger:
                 _truncate_after(path, resume_step)
             mode = "a" if resume_step is not None else "w"
             self._jsonl = open(path, mode, encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._tb = (
+            _tensorboard(os.path.join(run_dir, "tb"), resume_step, self.info)
+            if self.enabled and tensorboard
+            else None
+        )
 
     def record(self, record: dict) -> None:
         """One metrics.jsonl line; also shown on the console."""
@@ -107,6 +126,14 @@ class RunLogger:
         record = {**record, "time": time.time()}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key in ("kind", "step", "epoch", "time", "eval.count") or not isinstance(
+                    value, (int, float)
+                ):
+                    continue
+                tag = key.replace(".", "/", 1) if key.startswith("eval.") else f"train/{key}"
+                self._tb.add_scalar(tag, value, record["step"])
         if self.progress == "plain":
             self._print(_fmt(record))
         elif self.progress == "bar":
@@ -152,3 +179,6 @@ class RunLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

@@ -34,12 +34,19 @@ class Schedule:
     step_size_epochs: int = 1
     gamma: float = 0.1
     min_lr_ratio: float = 0.0
+    pct_start: float = 0.3
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
         if self.name == "step":
             return self.gamma ** (step // (self.step_size_epochs * self.steps_per_epoch))
+        if self.name == "onecycle":  # torch's OneCycleLR shape, as a pure function of the step
+            rise = max(1, round(self.pct_start * self.total_steps))
+            if step < rise:
+                return 1 / 25 + (1 - 1 / 25) * step / rise
+            progress = min(1.0, (step - rise) / max(1, self.total_steps - rise))
+            return 1e-4 + (1 - 1e-4) * 0.5 * (1 + math.cos(math.pi * progress))
         if self.name == "cosine":
             span = max(1, self.total_steps - self.warmup_steps)
             progress = min(1.0, (step - self.warmup_steps) / span)
@@ -58,5 +65,6 @@ def build_scheduler(cfg: SchedConfig, optimizer, steps_per_epoch: int, total_ste
         step_size_epochs=cfg.step_size_epochs,
         gamma=cfg.gamma,
         min_lr_ratio=cfg.min_lr_ratio,
+        pct_start=cfg.pct_start,
     )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -29,20 +29,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def dry_run(cfg: Config, denv, device, spec, model, optimizer, scheduler, ckpt, state, say) -> dict:
+def dry_run(cfg: Config, denv, device, spec, step: loop.TrainStep, ckpt, state, say) -> dict:
+    model = step.model
     report: dict = {"dry_run": True, "world_size": denv.world_size}
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
 
     plan = loop.epoch_plan(cfg, spec, 0)
     last = len(plan) - 1
-    step, x, y, count = next(data.train_batches(spec, plan, denv.rank, denv.world_size, last))
+    index, x, y, count = next(data.train_batches(spec, plan, denv.rank, denv.world_size, last))
     x, y = x.to(device), y.to(device)
     started = time.perf_counter()
-    loss = loop.train_step(model, optimizer, scheduler, x, y, count, denv.world_size, spec.task)
+    loss = step(x, y, count)
     loss = dist.all_reduce_sum(loss.double()).item()
     _sync(device)
-    report["last_batch"] = {"step_in_epoch": step, "global_samples": count,
+    report["last_batch"] = {"step_in_epoch": index, "global_samples": count,
                             "this_rank_samples": len(y), "loss": loss,
                             "seconds": time.perf_counter() - started}  # fmt: skip
     if not math.isfinite(loss):

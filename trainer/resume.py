@@ -23,6 +23,7 @@ from trainer.strategy import unwrap
 RESUMABLE_CHANGES = (
     "name", "run_dir", "log.", "ckpt.", "dist.", "repro.",
     "train.epochs", "train.max_steps", "train.eval_every_steps", "train.eval_every_epochs",
+    "train.micro_batch_size", "train.compile", "train.channels_last",
     "data.root", "data.download", "data.num_workers", "data.pin_memory",
     "data.persistent_workers", "data.device_resident", "data.eval_batch_size",
 )  # fmt: skip

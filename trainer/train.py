@@ -61,13 +61,21 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
     optimizer = optim.build_optimizer(cfg.optim, model.parameters())
     steps_per_epoch = len(loop.epoch_plan(cfg, spec, 0))
     last_step = loop.total_steps(cfg, steps_per_epoch)
     scheduler = optim.build_scheduler(cfg.sched, optimizer, steps_per_epoch, last_step)
-    ckpt = Checkpointer(cfg, denv, device, model, optimizer, scheduler, info=say)
+    scaler = loop.make_scaler(cfg.train, device)
+    ckpt = Checkpointer(cfg, denv, device, model, optimizer, scheduler, scaler, info=say)
     state, results = ckpt.restore()
     model = strategy.wrap(model, wrap_as, denv, device)
+    if cfg.train.compile:
+        model = torch.compile(model)  # after DDP: compiled graphs break at its bucket boundaries
+    step = loop.TrainStep(
+        cfg.train, model, optimizer, scheduler, scaler, spec.task, denv.world_size, device
+    )
     hosts = dist.gather_objects(repro.hostname())
     banner = (
         f"{cfg.name}: {cfg.data.name} ({len(spec.train)} train / {len(spec.test)} test) | "
@@ -78,7 +86,7 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
         from trainer.preflight import dry_run as preflight
 
         say(banner)
-        return preflight(cfg, denv, device, spec, model, optimizer, scheduler, ckpt, state, say)
+        return preflight(cfg, denv, device, spec, step, ckpt, state, say)
 
     run_dir = os.path.abspath(cfg.run_dir)
     summary_path = os.path.join(run_dir, "summary.json")
@@ -118,12 +126,12 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
         progress=cfg.log.progress,
         total_steps=last_step,
         resume_step=state.step if state.step else None,
+        tensorboard=cfg.log.tensorboard,
     )
     logger.info(banner)
     try:
         with StopSignal() as stop:
-            results = loop.fit(cfg, denv, device, spec, model, optimizer, scheduler, state, logger,
-                               ckpt, stop, results)  # fmt: skip
+            results = loop.fit(cfg, denv, device, spec, step, state, logger, ckpt, stop, results)
     finally:
         logger.close()
 
@@ -139,6 +147,8 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
         "samples_per_s": state.samples_seen / train_time if train_time else 0.0,
         "wall_s": time.time() - started,
         "checkpoint_failures": ckpt.failures,
+        "precision": cfg.train.precision,
+        "skipped_steps": dist.gather_objects(step.skipped_steps),  # fp16 overflow, per rank
         "config": to_dict(cfg),
     }
     if denv.is_main:

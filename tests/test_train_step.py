@@ -1,0 +1,170 @@
+"""The train step against reference steps: accumulation, precision, clipping, schedules, compile."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+from tests.helpers import read_jsonl, trainer, weights
+from trainer import config
+from trainer.loop import TrainStep, make_scaler
+from trainer.optim import Schedule, build_optimizer, build_scheduler
+
+
+def _setup(**train):
+    cfg = config.load(
+        None,
+        [*(f"train.{k}={v}" for k, v in train.items()), "optim.name=sgd", "optim.lr=0.1",
+         "optim.weight_decay=0", "sched.name=none", "sched.warmup_steps=0"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(), torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
+    )
+    opt = build_optimizer(cfg.optim, model.parameters())
+    sched = build_scheduler(cfg.sched, opt, 10, 100)
+    step = TrainStep(
+        cfg.train, model, opt, sched, make_scaler(cfg.train, "cpu"), "classification", 1, "cpu"
+    )
+    return step, model
+
+
+def _batch(n=24, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 1, 4, 4, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+
+def _max_rel(a, b):
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max()).item() for k in b)
+
+
+def test_micro_batches_equal_the_unsplit_step():
+    x, y = _batch()
+    ref_step, ref = _setup()
+    ref_loss = ref_step(x, y, len(x))
+    for micro in (1, 5, 8, 23):
+        step, model = _setup(micro_batch_size=micro)
+        loss = step(x, y, len(x))
+        assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
+        assert _max_rel(model.state_dict(), ref.state_dict()) <= 1e-6, micro
+
+
+@pytest.mark.parametrize("precision, tol", [("bf16", 2e-2), ("fp16", 5e-3)])
+def test_mixed_precision_step_matches_the_fp32_step(precision, tol):
+    x, y = _batch()
+    ref_step, ref = _setup()
+    ref_loss = ref_step(x, y, len(x))
+    step, model = _setup(precision=precision)
+    loss = step(x, y, len(x))
+    assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
+    assert _max_rel(model.state_dict(), ref.state_dict()) <= tol
+    assert step.skipped_steps == 0
+
+
+def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    x, y = _batch()
+    step, model = _setup(precision="fp16", fp16_init_scale=2.0**60)
+    before = copy.deepcopy(model.state_dict())
+    step(x, y, len(x))
+    assert step.skipped_steps == 1 and step.scaler.get_scale() == 2.0**59
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_clipping_bounds_the_update():
+    x, y = _batch()
+    step, model = _setup(clip_grad_norm=1e-3)
+    before = copy.deepcopy(model.state_dict())
+    step(x, y, len(x))
+    # SGD lr 0.1 with a clipped gradient norm 1e-3: the whole update has norm <= 1e-4.
+    moved = torch.sqrt(sum(((model.state_dict()[k] - before[k]) ** 2).sum() for k in before))
+    assert 0 < moved.item() <= 1e-4 * (1 + 1e-4)
+
+
+def test_onecycle_and_warmup_schedules():
+    one = Schedule(name="onecycle", total_steps=100, steps_per_epoch=10, pct_start=0.3)
+    assert (
+        one(0) == pytest.approx(1 / 25)
+        and one(30) == pytest.approx(1.0)
+        and one(100) == pytest.approx(1e-4)
+    )
+    assert max(one(s) for s in range(100)) == pytest.approx(1.0)
+    warm = Schedule(name="cosine", total_steps=100, steps_per_epoch=10, warmup_steps=10)
+    assert (
+        warm(0) == pytest.approx(0.1)
+        and warm(9) == pytest.approx(1.0)
+        and warm(100) == pytest.approx(0.0)
+    )
+    step = Schedule(name="step", total_steps=100, steps_per_epoch=10, step_size_epochs=2, gamma=0.5)
+    assert (step(19), step(20), step(40)) == (1.0, 0.5, 0.25)
+
+
+def test_channels_last_conv_step_matches():
+    x = torch.randn(8, 1, 8, 8)
+    y = torch.randint(0, 10, (8,))
+    outs = []
+    for cl in (False, True):
+        cfg = config.load(None, ["model.name=lenet", f"train.channels_last={cl}", "optim.name=sgd"])
+        torch.manual_seed(0)
+        from trainer.models import build
+
+        model = build(cfg.model, (1, 8, 8), 10)
+        if cl:
+            model = model.to(memory_format=torch.channels_last)
+        opt = build_optimizer(cfg.optim, model.parameters())
+        step = TrainStep(cfg.train, model, opt, build_scheduler(cfg.sched, opt, 1, 1), make_scaler(cfg.train, "cpu"),
+                         "classification", 1, "cpu")  # fmt: skip
+        outs.append((step(x, y, 8).item(), model))
+    assert outs[1][1][0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)
+
+
+TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "data.global_batch_size=4",
+        "train.epochs=4", "optim.name=sgd", "optim.lr=0.1", "log.every_steps=1", "log.progress=none"]  # fmt: skip
+
+
+def test_accumulation_under_ddp_matches_the_unsplit_single_process_run(tmp_path):
+    # Global batch 4 over 2 ranks = 2 per rank, micro 1: two micro-steps, no_sync on the first.
+    # The 9-sample epoch ends with a 1-sample batch: one rank has nothing, the other one micro-step.
+    trainer("train", *TINY, f"run_dir={tmp_path / 'ref'}")
+    trainer("train", *TINY, "train.micro_batch_size=1", f"run_dir={tmp_path / 'acc'}", nproc=2)
+    a, b = weights(tmp_path / "acc"), weights(tmp_path / "ref")
+    assert _max_rel(a, b) <= 1e-5
+
+
+def test_fp16_overflow_is_skipped_by_every_rank_together(tmp_path):
+    trainer(
+        "train",
+        *TINY,
+        "train.precision=fp16",
+        "train.fp16_init_scale=1e30",
+        f"run_dir={tmp_path}",
+        nproc=2,
+    )
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    skipped = summary["skipped_steps"]
+    assert len(skipped) == 2 and skipped[0] == skipped[1] > 0
+
+
+def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer("train", *TINY, f"run_dir={tmp_path}")
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"train/loss", "train/lr", "train/samples_per_s", "eval/loss", "eval/accuracy"} <= tags
+    jsonl = {
+        r["step"]: r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "train"
+    }
+    tb = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert tb.keys() == jsonl.keys() and all(abs(tb[s] - jsonl[s]) < 1e-6 for s in tb)
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_and_saves_plain_weights(tmp_path):
+    trainer("train", *TINY, "train.compile=true", f"run_dir={tmp_path / 'c'}")
+    trainer("train", *TINY, f"run_dir={tmp_path / 'e'}")
+    c, e = weights(tmp_path / "c"), weights(tmp_path / "e")
+    assert c.keys() == e.keys() and not any("_orig_mod" in k for k in c)
+    assert _max_rel(c, e) <= 1e-4
