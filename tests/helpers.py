@@ -10,6 +10,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# A small digits MLP: 3 epochs x 23 steps, a loss record per step, a checkpoint every 10 steps.
+# slow_mlp with delay 0 is the plain MLP; tests that need time to act mid-run raise the delay.
+REFERENCE = ["model.name=tests.helpers:slow_mlp", "model.hidden=[32]", "train.epochs=3", "log.every_steps=1",
+             "ckpt.every_steps=10", "ckpt.keep_last=100", "log.progress=plain"]  # fmt: skip
 BIN = Path(sys.executable).parent
 
 

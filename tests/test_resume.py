@@ -8,12 +8,10 @@ import signal
 import pytest
 import torch
 
+from tests.helpers import REFERENCE as BASE
 from tests.helpers import checkpoints, read_jsonl, spawn, train_losses, trainer, wait_for, weights
 
-# Small, quick, and with dropout so the RNG state matters for bitwise equality.
-BASE = ["model.name=tests.helpers:slow_mlp", "model.hidden=[32]", "train.epochs=3", "log.every_steps=1",
-        "ckpt.every_steps=10", "ckpt.keep_last=100", "log.progress=plain"]  # fmt: skip
-DROPOUT = ["model.dropout=0.1"]
+DROPOUT = ["model.dropout=0.1"]  # so the RNG state matters for bitwise equality
 
 
 def _bitwise_equal(a, b):
@@ -21,18 +19,14 @@ def _bitwise_equal(a, b):
     return wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_w1(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("w1") / "run"
-    trainer("train", *BASE, *DROPOUT, "model.kwargs.delay=0", f"run_dir={run_dir}")
-    return run_dir
+@pytest.fixture
+def uninterrupted_w1(reference_runs):
+    return reference_runs(1, *DROPOUT)
 
 
-@pytest.fixture(scope="module")
-def uninterrupted_w2(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("w2") / "run"
-    trainer("train", *BASE, "model.kwargs.delay=0", f"run_dir={run_dir}", nproc=2)
-    return run_dir
+@pytest.fixture
+def uninterrupted_w2(reference_runs):
+    return reference_runs(2)
 
 
 def test_resume_from_a_mid_epoch_checkpoint_is_bitwise(uninterrupted_w1, tmp_path):
@@ -106,18 +100,33 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
 def test_signal_in_a_single_process_exits_3_after_a_checkpoint(tmp_path, sig):
     run_dir = tmp_path / "run"
     proc = spawn("train", *BASE, "model.kwargs.delay=0.05", f"run_dir={run_dir}")
-    wait_for(lambda: (run_dir / "metrics.jsonl").exists(), 120, "first step", proc)
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and read_jsonl(metrics), 120, "first step", proc)
     proc.send_signal(sig)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 3, out[-2000:]
     assert f"stopped by {sig.name}" in out and "Traceback" not in out
 
 
+def test_a_signal_during_setup_exits_3_without_a_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = spawn("train", *BASE, f"run_dir={run_dir}")
+    import time
+
+    time.sleep(0.5)  # still importing torch and building the job
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, out[-2000:]
+    assert "stopped by SIGTERM at step 0" in out and "Traceback" not in out
+    assert checkpoints(run_dir) == []
+
+
 def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn("train", *BASE, "model.kwargs.delay=4", f"run_dir={run_dir}")  # 4 s per step
-    wait_for(lambda: (run_dir / "run.json").exists(), 120, "training to start", proc)
-    proc.send_signal(signal.SIGTERM)  # honoured at the next step boundary, seconds away
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and read_jsonl(metrics), 120, "the first step", proc)
+    proc.send_signal(signal.SIGTERM)  # lands in step 2: honoured at its end, seconds away
     import time
 
     time.sleep(2.5)  # past the debounce window: a deliberate second signal

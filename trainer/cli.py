@@ -115,9 +115,13 @@ def _cmd_train(args) -> int:
         args.config = args.from_run
         overrides = [f"run_dir={os.path.join(args.from_run, 'rerun')}", *overrides]
     cfg = config.load(args.config, overrides)
-    from trainer.train import run
+    from trainer.signals import StopSignal
 
-    run(cfg, dry_run=args.dry_run)
+    # Installed before the heavy imports: a SIGTERM during setup is honoured, not fatal.
+    with StopSignal() as stop:
+        from trainer.train import run
+
+        run(cfg, dry_run=args.dry_run, stop=stop)
     return ExitCode.OK
 
 

@@ -193,6 +193,8 @@ def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, step: Trai
 
     def check_stop() -> None:
         if stop.agreed(control_group()):
+            if ckpt.last_saved_step == state.step:  # e.g. signalled during setup: nothing new
+                raise Preempted(f"stopped by {stop.name} at step {state.step} before training on")
             path = save(f"signal {stop.name}", must_succeed=True)
             raise Preempted(
                 f"stopped by {stop.name} at step {state.step}; checkpoint {path} saved: "
@@ -200,6 +202,7 @@ def fit(cfg: Config, denv: DistEnv, device: str, spec: data.DataSpec, step: Trai
             )
 
     step.model.train()
+    check_stop()  # a signal during setup stops here, before the first step
     while state.epoch < cfg.train.epochs and state.step < last_step:
         plan = epoch_plan(cfg, spec, state.epoch)
         epoch_loss.zero_()

@@ -88,6 +88,7 @@ class Checkpointer:
                 checkpoint.load_weights_into(self.model, self.cfg.ckpt.init_weights)
                 self.info(f"initial weights from {self.cfg.ckpt.init_weights}")
             repro.seed_rank(self.cfg.seed, self.denv.rank)
+            self.last_saved_step = 0  # step 0 needs no checkpoint: a fresh start recreates it
             return LoopState(), {}
         return self._load(choice)
 

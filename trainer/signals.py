@@ -13,8 +13,6 @@ import signal
 import threading
 import time
 
-import torch
-
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -57,6 +55,7 @@ class StopSignal:
 
     def agreed(self, group=None) -> bool:
         """True on every rank if any rank was signalled (a collective: call on all ranks)."""
+        import torch
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):

@@ -35,8 +35,14 @@ def check_batch(cfg: Config, denv: dist.DistEnv) -> None:
         )
 
 
-def run(cfg: Config, *, dry_run: bool = False) -> dict:
-    """Train one rank of the job described by cfg and torchrun's environment."""
+def run(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None) -> dict:
+    """Train one rank of the job described by cfg and torchrun's environment.
+
+    `stop` receives SIGTERM/SIGINT; without one, handlers are installed for the run itself.
+    """
+    if stop is None:
+        with StopSignal() as own:
+            return run(cfg, dry_run=dry_run, stop=own)
     started = time.time()
     denv = dist.from_env(os.environ)
     device, backend = dist.choose_device(
@@ -50,13 +56,13 @@ def run(cfg: Config, *, dry_run: bool = False) -> dict:
     dist.init(denv, device, backend, cfg.dist.timeout_s)
     try:
         with dist.peer_failures_are_retryable(denv, cfg.dist.timeout_s):
-            return _train(cfg, denv, device, backend, wrap_as, started, dry_run)
+            return _train(cfg, denv, device, backend, wrap_as, started, dry_run, stop)
     finally:
         dist.teardown()
 
 
 def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: str,
-           started: float, dry_run: bool) -> dict:  # fmt: skip
+           started: float, dry_run: bool, stop: StopSignal) -> dict:  # fmt: skip
     say = print if denv.is_main else (lambda *_a, **_k: None)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed)
@@ -130,8 +136,7 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
     )
     logger.info(banner)
     try:
-        with StopSignal() as stop:
-            results = loop.fit(cfg, denv, device, spec, step, state, logger, ckpt, stop, results)
+        results = loop.fit(cfg, denv, device, spec, step, state, logger, ckpt, stop, results)
     finally:
         logger.close()
 

@@ -1,0 +1,22 @@
+"""Shared, session-scoped reference runs: each is launched once and compared against by many tests."""
+
+import pytest
+
+from tests.helpers import REFERENCE, trainer
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    """reference_runs(world, *extra) -> the run dir of an uninterrupted run, launched on first use."""
+    cache = {}
+
+    def get(world: int, *extra: str):
+        key = (world, extra)
+        if key not in cache:
+            run_dir = tmp_path_factory.mktemp(f"ref-w{world}") / "run"
+            trainer("train", *REFERENCE, "model.kwargs.delay=0", *extra, f"run_dir={run_dir}",
+                    nproc=None if world == 1 else world)  # fmt: skip
+            cache[key] = run_dir
+        return cache[key]
+
+    return get
