@@ -123,7 +123,7 @@ def test_a_signal_during_setup_exits_3_without_a_traceback(tmp_path):
 
 def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
-    proc = spawn("train", *BASE, "model.kwargs.delay=4", f"run_dir={run_dir}")  # 4 s per step
+    proc = spawn("train", *BASE, "model.kwargs.delay=6", f"run_dir={run_dir}")  # 6 s per step
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and read_jsonl(metrics), 120, "the first step", proc)
     proc.send_signal(signal.SIGTERM)  # lands in step 2: honoured at its end, seconds away
@@ -131,6 +131,6 @@ def test_a_second_signal_exits_at_once(tmp_path):
 
     time.sleep(2.5)  # past the debounce window: a deliberate second signal
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=3)  # much sooner than the 4 s step
+    proc.communicate(timeout=3)  # well before step 2 ends, 6 s after it began
     assert proc.returncode == -signal.SIGTERM
     assert checkpoints(run_dir) == []
