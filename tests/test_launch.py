@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import env
+from trainer import launch
 from trainer.errors import UsageError
 from trainer.launch import Command, Route, exit_code, make_plan, split_command
 from trainer.nodeenv import CONSUMED_PET, launched_by_torchrun, read_node
@@ -398,6 +399,13 @@ def test_exit_code_prefers_the_ranks_codes_over_torchruns(tmp_path):
     assert exit_code(0, str(tmp_path), None) == 0
     (tmp_path / "rank-0.exit").write_text("3\n")
     assert exit_code(1, str(tmp_path), signal.SIGTERM) == 3
+
+
+def test_a_signal_before_torchrun_starts_means_it_never_starts():
+    signals = launch.Forwarder()
+    signals.received.append(signal.SIGTERM)  # e.g. the pod was deleted during the preflight
+    never = launch.Plan(argv=("/nonexistent/torchrun",), env={}, unset=(), child=True, summary="")
+    assert launch.run_child(never, signals) == 128 + signal.SIGTERM
 
 
 # --- real runs ---------------------------------------------------------------------------------

@@ -264,40 +264,59 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_child(plan: Plan) -> int:
+class Forwarder:
+    """Catches SIGTERM, SIGINT and SIGHUP from the start, and passes them on to the child once
+    there is one. From the start, because PID 1 in a pod ignores any signal it has no handler for."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.child = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        self.received.append(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    @property
+    def last(self) -> int | None:
+        return self.received[-1] if self.received else None
+
+
+def run_child(plan: Plan, signals: Forwarder) -> int:
     """Run torchrun, forwarding signals; the ranks' most significant exit code."""
     import shutil
-    import signal
     import subprocess
     import tempfile
 
+    if signals.last is not None:  # stopped before anything started
+        return 128 + signals.last
     status_dir = tempfile.mkdtemp(prefix="trainer-status-")
     env = {k: v for k, v in os.environ.items() if k not in plan.unset}
     env.update(plan.env)
     env[STATUS_DIR_ENV] = status_dir
-    received: list[int] = []
-    proc: subprocess.Popen | None = None
-
-    def forward(signum, _frame):
-        received.append(signum)
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signum)
-
-    forwarded = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    previous = {s: signal.signal(s, forward) for s in forwarded}
     try:
         # A session of its own: a terminal's Ctrl-C reaches torchrun once (from us), not twice.
-        proc = subprocess.Popen(
+        signals.child = subprocess.Popen(
             plan.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent
         )
-        if received:  # a signal arrived while torchrun was starting
-            proc.send_signal(received[-1])
-        rc = proc.wait()
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    try:
-        return exit_code(rc, status_dir, received[-1] if received else None)
+        if signals.last is not None:  # a signal arrived while torchrun was starting
+            signals.child.send_signal(signals.last)
+        rc = signals.child.wait()
+        return exit_code(rc, status_dir, signals.last)
     finally:
         shutil.rmtree(status_dir, ignore_errors=True)
 
@@ -357,6 +376,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _launch(args: list[str], dry_run: bool) -> int:
+    signals = Forwarder()
+    if not dry_run:
+        signals.install()
+    try:
+        return _launch_with(args, dry_run, signals)
+    finally:
+        signals.restore()
+
+
+def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
     env = os.environ
     command = split_command(args, env)
     gpus = 0
@@ -379,11 +408,13 @@ def _launch(args: list[str], dry_run: bool) -> int:
             print(f"# and {STATUS_DIR_ENV}=<a fresh node-local temp dir> for the ranks' exit codes")
         print(plan.shell())
         return ExitCode.OK
-    print(
-        f"trainer-launch: {plan.summary}\ntrainer-launch: {plan.shell()}",
-        file=sys.stderr,
-        flush=True,
-    )
+    if plan.child or env.get("RANK", "0") in ("", "0"):  # in place: one line per job, not per rank
+        print(
+            f"trainer-launch: {plan.summary}\ntrainer-launch: {plan.shell()}",
+            file=sys.stderr,
+            flush=True,
+        )
     if not plan.child:
+        signals.restore()
         os.execvp(plan.argv[0], list(plan.argv))
-    return run_child(plan)
+    return run_child(plan, signals)
