@@ -510,6 +510,15 @@ def test_under_torchrun_it_runs_the_trainer_in_place(tmp_path):
     assert "torch.distributed.run" not in p.stderr
 
 
+def test_a_foreign_command_that_does_not_exist_is_exit_2(tmp_path):
+    torchrun_rank = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "TORCHELASTIC_RUN_ID": "x"}
+    p = launcher(["--", "no-such-command-xyz"], cwd=tmp_path, **torchrun_rank)
+    assert p.returncode == 2
+    assert (
+        p.stderr.splitlines()[-1] == "trainer-launch: error: no-such-command-xyz: command not found"
+    )
+
+
 def _descendants(pid: int) -> set[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):

@@ -5,15 +5,7 @@
     trainer-launch --dry-run                # print the command and the env it adds; run nothing
     trainer-launch -- python my_script.py   # any torchrun script: the image serves foreign code
 
-The node's shape comes from the environment, first match wins (see README, "trainer-launch"):
-
-    nodes          PET_NNODES, NNODES                          default 1
-    processes      PET_NPROC_PER_NODE, NPROC_PER_NODE          default auto (= visible GPUs, else 1)
-    node rank      PET_NODE_RANK, NODE_RANK, JOB_COMPLETION_INDEX
-    rendezvous     PET_RDZV_ENDPOINT, else PET_MASTER_ADDR/MASTER_ADDR : PET_MASTER_PORT/MASTER_PORT
-    rendezvous id  PET_RDZV_ID, RDZV_ID, JOBSET_NAME, JOB_NAME, else derived from the endpoint
-    restarts       PET_MAX_RESTARTS, MAX_RESTARTS              default 0
-
+The node's shape comes from the environment (trainer.nodeenv has the contract and precedence).
 `make_plan` is a pure function of (environment, command, GPU and CPU counts, a route probe); `main`
 does the side effects. torchrun runs as a CHILD, not an exec: it exits 1 whenever a worker fails,
 which would hide the trainer's exit codes (2 config, 3 preempted, 4 retryable) from Kubernetes'
@@ -416,5 +408,8 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         )
     if not plan.child:
         signals.restore()
-        os.execvp(plan.argv[0], list(plan.argv))
+        try:
+            os.execvp(plan.argv[0], list(plan.argv))
+        except FileNotFoundError:
+            raise UsageError(f"{plan.argv[0]}: command not found") from None
     return run_child(plan, signals)
