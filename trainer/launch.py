@@ -1,0 +1,415 @@
+"""`trainer-launch`: the container entrypoint. One node's environment -> one torchrun command.
+
+    trainer-launch                          # torchrun ... -m trainer train   (compose, k8s)
+    trainer-launch --config digits-lenet optim.lr=0.01
+    trainer-launch --dry-run                # print the command and the env it adds; run nothing
+    trainer-launch -- python my_script.py   # any torchrun script: the image serves foreign code
+
+The node's shape comes from the environment (trainer.nodeenv has the contract and precedence).
+`make_plan` is a pure function of (environment, command, GPU and CPU counts, a route probe); `main`
+does the side effects. torchrun runs as a CHILD, not an exec: it exits 1 whenever a worker fails,
+which would hide the trainer's exit codes (2 config, 3 preempted, 4 retryable) from Kubernetes'
+podFailurePolicy. Each rank leaves its code in $TRAINER_STATUS_DIR and this process exits with the
+most significant one. Signals (SIGTERM, SIGINT, SIGHUP) are forwarded to torchrun, which forwards
+them to the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
+from trainer.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
+
+DISTRIBUTED_COMMANDS = ("train",)
+"""trainer subcommands that run under torchrun; the others (config, ...) run once, directly."""
+
+TORCH_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""Always given to torchrun: its shared rendezvous TCP store keeps stale state across restarts
+(pytorch#135712); here --max-restarts after a SIGKILLed worker failed or hung in 7 of 11 runs
+without it and recovered in 6 of 6 with it."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """What runs on every rank: the trainer (args after `trainer`) or foreign code (argv)."""
+
+    trainer_args: tuple[str, ...] = ()
+    foreign: tuple[str, ...] = ()
+
+    @property
+    def is_trainer(self) -> bool:
+        return not self.foreign
+
+    @property
+    def distributed(self) -> bool:
+        return bool(self.foreign) or self.trainer_args[0] in DISTRIBUTED_COMMANDS
+
+    def direct_argv(self, python: str) -> list[str]:
+        """The command to run in this very process (no torchrun)."""
+        if self.is_trainer:
+            return [python, "-m", "trainer", *self.trainer_args]
+        if self.foreign[0].endswith(".py"):
+            return [python, *self.foreign]
+        return list(self.foreign)
+
+    def torchrun_tail(self) -> list[str]:
+        """The end of the torchrun command line: what each worker runs."""
+        if self.is_trainer:
+            return ["-m", "trainer", *self.trainer_args]
+        if self.foreign[0].endswith(".py"):
+            return list(self.foreign)  # torchrun runs a script with its own interpreter
+        return ["--no-python", *self.foreign]  # `python -u x.py`, a binary: run as typed
+
+
+@dataclass(frozen=True)
+class Route:
+    """How this node reaches the rendezvous host: its own address and the interface it leaves by."""
+
+    local_addr: str
+    ifname: str | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    """Variables set on top of this process's environment."""
+    unset: tuple[str, ...]
+    """Variables removed from it."""
+    child: bool
+    """True: run torchrun as a child and report the ranks' exit codes. False: exec argv."""
+    summary: str
+
+    def shell(self) -> str:
+        """The plan as one copy-pastable shell line."""
+        parts = ["env"]
+        for name in self.unset:
+            parts += ["-u", name]
+        parts += [f"{k}={v}" for k, v in sorted(self.env.items())]
+        return shlex.join([*parts, *self.argv]) if len(parts) > 1 else shlex.join(self.argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# The pure part: command line and environment -> plan.
+
+
+def split_command(args: Sequence[str], env: Mapping[str, str]) -> Command:
+    """trainer-launch's arguments (its own options already removed) -> what each rank runs.
+
+    `-- CMD ...` is foreign code. Otherwise the arguments go to `trainer`: a leading bare word is
+    its subcommand (train's own arguments are options or key=value overrides), else `train`.
+    For train, TRAIN_ARGS (a shell-quoted string) goes first, so command-line overrides win.
+    """
+    args = list(args)
+    if args and args[0] == "--":
+        if len(args) == 1:
+            raise UsageError(
+                "nothing after '--': give the command to launch, e.g. -- python train.py"
+            )
+        return Command(foreign=tuple(args[1:]))
+    if args and not args[0].startswith("-") and "=" not in args[0]:
+        sub, rest = args[0], args[1:]
+    else:
+        sub, rest = "train", args
+    extra: list[str] = []
+    if sub == "train" and env.get("TRAIN_ARGS", "").strip():
+        try:
+            extra = shlex.split(env["TRAIN_ARGS"])
+        except ValueError as e:
+            raise UsageError(f"TRAIN_ARGS: cannot split it like a shell would ({e})") from None
+    return Command(trainer_args=(sub, *extra, *rest))
+
+
+def make_plan(
+    env: Mapping[str, str],
+    command: Command,
+    *,
+    gpus: int,
+    cpus: int,
+    python: str,
+    probe: Callable[[Node, Mapping[str, str]], Route | None] | None = None,
+) -> Plan:
+    """What to run on this node; pure apart from `probe` (how this node reaches the rendezvous)."""
+    if launched_by_torchrun(env):
+        return Plan(
+            argv=tuple(command.direct_argv(python)),
+            env={},
+            unset=(),
+            child=False,
+            summary=f"already rank {env['RANK']} of {env['WORLD_SIZE']} under torchrun: running it directly",
+        )
+    if not command.distributed:
+        return Plan(
+            argv=tuple(command.direct_argv(python)),
+            env={},
+            unset=(),
+            child=False,
+            summary=f"`trainer {command.trainer_args[0]}` runs once, without torchrun",
+        )
+    node = read_node(env, gpus=gpus, cpus=cpus)
+    unset = tuple(v for v in CONSUMED_PET if v in env)
+    extra = dict(TORCH_ENV)
+    argv = [python, "-m", "torch.distributed.run"]
+    if not node.multi_node:
+        argv += ["--standalone", "--nnodes=1", f"--nproc-per-node={node.nproc}"]
+        summary = f"1 node x {node.nproc} process(es), standalone rendezvous"
+    else:
+        assert node.host is not None
+        route = probe(node, env) if probe else None
+        rdzv_id = node.rdzv_id
+        conf = dict(node.rdzv_conf)
+        if node.node_rank is not None:
+            # Node 0 hosts the store: said explicitly, because a DNS name (a pod's headless
+            # service name) often does not match what the pod believes its own hostname is.
+            conf.setdefault("is_host", "1" if node.node_rank == 0 else "0")
+        conf.setdefault("join_timeout", str(node.join_timeout))
+        conf.setdefault("read_timeout", str(node.join_timeout))  # also bounds the store connect
+        local_addr = env.get("POD_IP", "").strip() or (route.local_addr if route else "")
+        endpoint = f"[{node.host}]" if ":" in node.host else node.host
+        argv += [
+            f"--nnodes={node.nnodes}",
+            f"--nproc-per-node={node.nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}:{node.port}",
+            f"--rdzv-id={rdzv_id}",
+            "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+        ]
+        if local_addr:
+            argv.append(f"--local-addr={local_addr}")
+        if route and route.ifname:
+            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                if not env.get(var):
+                    extra[var] = route.ifname
+        rank = "?" if node.node_rank is None else node.node_rank
+        summary = (
+            f"{node.nnodes} nodes x {node.nproc} process(es), this is node {rank}, "
+            f"rendezvous at {node.host}:{node.port} (id {rdzv_id})"
+        )
+    argv.append(f"--max-restarts={node.max_restarts}")
+    argv += command.torchrun_tail()
+    return Plan(argv=tuple(argv), env=extra, unset=unset, child=True, summary=summary)
+
+
+# ---------------------------------------------------------------------------------------------
+# The side effects: GPUs, network, config preflight, running torchrun, signals.
+
+
+def visible_gpus() -> int:
+    """CUDA devices this process can use (honours CUDA_VISIBLE_DEVICES and the container's GPUs)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count()
+
+
+def probe_route(node: Node, env: Mapping[str, str]) -> Route | None:
+    """This node's address (POD_IP, else the one it reaches node 0 from) and its interface."""
+    from trainer import netif
+
+    addr = env.get("POD_IP", "").strip()
+    try:
+        if not addr:
+            assert node.host is not None
+            addr = netif.source_address(node.host, node.port)
+        return Route(addr, netif.interface_for(addr, netif.interface_addresses()))
+    except OSError as e:
+        print(
+            f"trainer-launch: note: cannot tell how this node reaches {node.host} ({e}); "
+            "leaving --local-addr and GLOO/NCCL_SOCKET_IFNAME to torchrun's defaults "
+            "(set POD_IP to avoid this)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+
+
+def preflight(command: Command) -> str | None:
+    """Validate the trainer config in-process before torchrun starts; returns dist.device.
+
+    Uses the trainer's own parser, so the arguments mean exactly what they will mean per rank.
+    """
+    from trainer import cli, config
+
+    parser = cli.build_parser()
+    args, extra = parser.parse_known_args(list(command.trainer_args))
+    bad = [a for a in extra if a.startswith("-") or "=" not in a]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    cfg = config.load(args.config, [*args.overrides, *extra])
+    return cfg.dist.device
+
+
+def _die_with_parent() -> None:
+    # If trainer-launch is SIGKILLed, torchrun gets SIGTERM and takes its workers down with it.
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class Forwarder:
+    """Catches SIGTERM, SIGINT and SIGHUP from the start, and passes them on to the child once
+    there is one. From the start, because PID 1 in a pod ignores any signal it has no handler for."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.child = None
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        import signal
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, _frame) -> None:
+        self.received.append(signum)
+        if self.child is not None and self.child.poll() is None:
+            self.child.send_signal(signum)
+
+    @property
+    def last(self) -> int | None:
+        return self.received[-1] if self.received else None
+
+
+def run_child(plan: Plan, signals: Forwarder) -> int:
+    """Run torchrun, forwarding signals; the ranks' most significant exit code."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if signals.last is not None:  # stopped before anything started
+        return 128 + signals.last
+    status_dir = tempfile.mkdtemp(prefix="trainer-status-")
+    env = {k: v for k, v in os.environ.items() if k not in plan.unset}
+    env.update(plan.env)
+    env[STATUS_DIR_ENV] = status_dir
+    try:
+        # A session of its own: a terminal's Ctrl-C reaches torchrun once (from us), not twice.
+        signals.child = subprocess.Popen(
+            plan.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent
+        )
+        if signals.last is not None:  # a signal arrived while torchrun was starting
+            signals.child.send_signal(signals.last)
+        rc = signals.child.wait()
+        return exit_code(rc, status_dir, signals.last)
+    finally:
+        shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
+    """Node exit code: 0 if torchrun succeeded, else the ranks' most significant code, else
+    128+signal (killed, or stopped by a forwarded signal with no rank reporting), else torchrun's."""
+    from trainer.errors import node_exit_code
+
+    if returncode == 0:
+        return 0  # a restarted attempt succeeded: codes left by earlier attempts do not count
+    if returncode < 0:
+        fallback = 128 - returncode
+    elif signalled is not None:
+        fallback = 128 + signalled
+    else:
+        fallback = returncode
+    return node_exit_code(status_dir, fallback)
+
+
+USAGE = """usage: trainer-launch [--dry-run] [TRAINER_ARGS ... | -- COMMAND ...]
+
+Launch this node's part of a training job with torchrun, configured from the environment
+(compose, Kubernetes Indexed Job/JobSet, Kubeflow PyTorchJob/TrainJob, TorchX).
+
+  TRAINER_ARGS   passed to `trainer` (default subcommand: train), after $TRAIN_ARGS
+  -- COMMAND     launch any torchrun script instead, e.g. -- python my_script.py --lr 0.1
+  --dry-run      print the command and the environment it would add, then exit
+  -h, --help     show this help
+
+environment (first set wins): PET_NNODES|NNODES, PET_NPROC_PER_NODE|NPROC_PER_NODE (auto, gpu,
+cpu or N), PET_NODE_RANK|NODE_RANK|JOB_COMPLETION_INDEX, PET_MASTER_ADDR|MASTER_ADDR,
+PET_MASTER_PORT|MASTER_PORT (29500), PET_RDZV_ID|RDZV_ID|JOBSET_NAME|JOB_NAME, PET_MAX_RESTARTS|
+MAX_RESTARTS (0), RDZV_JOIN_TIMEOUT (600 s), POD_IP, TRAIN_ARGS.
+
+exit codes: the trainer's (0 done, 2 bad input, 3 preempted after a checkpoint, 4 retryable),
+1 for other failures, 128+N when stopped by signal N with no rank reporting.
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    dry_run = False
+    while args and args[0] in ("--dry-run", "-h", "--help"):
+        if args.pop(0) == "--dry-run":
+            dry_run = True
+        else:
+            print(USAGE, end="")
+            return ExitCode.OK
+    try:
+        return _launch(args, dry_run)
+    except SystemExit as e:  # argparse (the trainer's parser, in preflight): already printed
+        return e.code if isinstance(e.code, int) else ExitCode.USAGE
+    except TrainerError as e:
+        print(f"trainer-launch: error: {e}", file=sys.stderr, flush=True)
+        return int(e.exit_code)
+
+
+def _launch(args: list[str], dry_run: bool) -> int:
+    signals = Forwarder()
+    if not dry_run:
+        signals.install()
+    try:
+        return _launch_with(args, dry_run, signals)
+    finally:
+        signals.restore()
+
+
+def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
+    env = os.environ
+    command = split_command(args, env)
+    gpus = 0
+    if command.distributed and not launched_by_torchrun(env):
+        device = preflight(command) if command.is_trainer else None
+        gpus = 0 if device == "cpu" else visible_gpus()
+    plan = make_plan(
+        env,
+        command,
+        gpus=gpus,
+        cpus=len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count() or 1,
+        python=sys.executable,
+        probe=probe_route,
+    )
+    if dry_run:
+        print(f"# {plan.summary}")
+        if plan.child:
+            print(f"# and {STATUS_DIR_ENV}=<a fresh node-local temp dir> for the ranks' exit codes")
+        print(plan.shell())
+        return ExitCode.OK
+    if plan.child or env.get("RANK", "0") in ("", "0"):  # in place: one line per job, not per rank
+        print(
+            f"trainer-launch: {plan.summary}\ntrainer-launch: {plan.shell()}",
+            file=sys.stderr,
+            flush=True,
+        )
+    if not plan.child:
+        signals.restore()
+        try:
+            os.execvp(plan.argv[0], list(plan.argv))
+        except FileNotFoundError:
+            raise UsageError(f"{plan.argv[0]}: command not found") from None
+    return run_child(plan, signals)
