@@ -139,19 +139,40 @@ def test_each_rank_leaves_its_exit_code_for_the_launcher(tmp_path):
     from trainer.errors import node_exit_code
 
     for rank, args in (("0", ["config", "check", "optim.lrr=1"]), ("1", ["train", "--bogus"])):
-        p = subprocess.run(
-            [sys.executable, "-m", "trainer", *args],
-            capture_output=True,
-            text=True,
-            env=env(TRAINER_STATUS_DIR=str(tmp_path), RANK=rank),
-            cwd=ROOT,
-            timeout=60,
-        )
+        p = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
+                           env=env(TRAINER_STATUS_DIR=str(tmp_path), RANK=rank, TORCHELASTIC_RESTART_COUNT="2"),
+                           cwd=ROOT, timeout=60)  # fmt: skip
         assert p.returncode == 2
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["rank-0.exit", "rank-1.exit"]
-    (tmp_path / "rank-2.exit").write_text("4\n")
-    assert node_exit_code(str(tmp_path), 1) == 2  # a config error outranks a transient failure
-    (tmp_path / "rank-0.exit").unlink()
-    (tmp_path / "rank-1.exit").unlink()
-    assert node_exit_code(str(tmp_path), 1) == 4
+    assert sorted(f.name for f in tmp_path.iterdir()) == [
+        "attempt-2.rank-0.exit",
+        "attempt-2.rank-1.exit",
+    ]
+    assert node_exit_code(str(tmp_path), 1) == 2
     assert node_exit_code(str(tmp_path / "missing"), 1) == 1
+
+
+def _codes(folder, **codes):
+    for name, code in codes.items():
+        (folder / f"{name.replace('_', '.')}.exit").write_text(f"{code}\n")
+
+
+def test_the_node_reports_the_root_cause_of_the_last_attempt(tmp_path):
+    from trainer.errors import node_exit_code
+
+    # attempt 0 had a config-looking failure; the last attempt (1) only a transient one
+    _codes(tmp_path, **{"attempt-0_rank-0": 2, "attempt-1_rank-1": 4})
+    assert node_exit_code(str(tmp_path), 1) == 4
+    # a bug on one rank outranks its peers' timeouts
+    _codes(tmp_path, **{"attempt-1_rank-0": 1})
+    assert node_exit_code(str(tmp_path), 1) == 1
+
+
+def test_preempted_counts_only_when_the_node_itself_was_signalled(tmp_path):
+    from trainer.errors import node_exit_code
+
+    # A rank was OOM-killed (no file); torchrun SIGTERMed the other, which checkpointed: 3.
+    _codes(tmp_path, **{"attempt-0_rank-1": 3})
+    assert node_exit_code(str(tmp_path), 1) == 1  # not a preemption: let backoffLimit count it
+    assert node_exit_code(str(tmp_path), 143, signalled=True) == 3
+    _codes(tmp_path, **{"attempt-0_rank-0": 4})
+    assert node_exit_code(str(tmp_path), 143, signalled=True) == 4

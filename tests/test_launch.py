@@ -393,12 +393,13 @@ def test_exit_code_prefers_the_ranks_codes_over_torchruns(tmp_path):
     assert exit_code(1, str(tmp_path), None) == 1
     assert exit_code(1, str(tmp_path), signal.SIGTERM) == 128 + signal.SIGTERM
     assert exit_code(-signal.SIGKILL, str(tmp_path), None) == 128 + signal.SIGKILL
-    (tmp_path / "rank-1.exit").write_text("4\n")
+    (tmp_path / "attempt-0.rank-1.exit").write_text("3\n")
+    assert exit_code(1, str(tmp_path), None) == 1  # a 3 without a signal here: group teardown
+    assert exit_code(1, str(tmp_path), signal.SIGTERM) == 3
+    (tmp_path / "attempt-0.rank-0.exit").write_text("4\n")
     assert exit_code(1, str(tmp_path), None) == 4
     # a restarted attempt that succeeded: what an earlier attempt left does not count
     assert exit_code(0, str(tmp_path), None) == 0
-    (tmp_path / "rank-0.exit").write_text("3\n")
-    assert exit_code(1, str(tmp_path), signal.SIGTERM) == 3
 
 
 def test_a_signal_before_torchrun_starts_means_it_never_starts():
@@ -467,7 +468,7 @@ def test_the_ranks_exit_code_comes_through_torchrun(tmp_path, failure, code):
 
 @pytest.mark.slow
 def test_max_restarts_recovers_and_reports_success(tmp_path):
-    # attempt 0: rank 1 exits 4 (and leaves rank-1.exit); attempt 1 trains to the end
+    # attempt 0: rank 1 exits 4 (attempt-0.rank-1.exit); attempt 1 trains to the end
     p = launcher(
         [
             *TINY,

@@ -86,7 +86,7 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
     proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both workers
     out, _ = proc.communicate(timeout=60)
     assert "stopped by SIGTERM" in out, out[-2000:]
-    assert sorted(os.listdir(status)) == ["rank-0.exit", "rank-1.exit"]
+    assert sorted(os.listdir(status)) == ["attempt-0.rank-0.exit", "attempt-0.rank-1.exit"]
     assert {(status / f).read_text().strip() for f in os.listdir(status)} == {"3"}
     newest = checkpoints(run_dir)[-1]
     meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from trainer.errors import UsageError, check_choice, did_you_mean
+from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean
 
 DEFAULT_PRESET = "digits-mlp"
 
@@ -332,6 +332,15 @@ def _merge_error(e: Exception, schema, source: str) -> UsageError:
 
 def load(config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Merge schema < preset < --config file < CLI overrides into a validated Config."""
+    try:
+        return _load(config, overrides)
+    except ConfigError:
+        raise
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 

@@ -23,41 +23,51 @@ config error (2), a preemption (3) and a transient failure (4) from Kubernetes' 
 trainer-launch reads these files after torchrun exits and exits with the most significant code.
 """
 
-# Which code a node reports when its ranks disagree: the most actionable one wins.
-SEVERITY = (ExitCode.USAGE, ExitCode.PREEMPTED, ExitCode.RETRYABLE, ExitCode.ERROR)
+# Which code a node reports when its ranks disagree: the root cause wins. A 3 (preempted) only
+# counts if the node itself was signalled: otherwise it is torchrun tearing the group down after
+# another rank failed, and reporting it would let Kubernetes retry a crash loop forever.
+SEVERITY = (ExitCode.USAGE, ExitCode.ERROR, ExitCode.RETRYABLE, ExitCode.PREEMPTED)
 
 
 def record_exit(code: int, environ=None) -> None:
-    """Leave this rank's exit code in $TRAINER_STATUS_DIR/rank-<RANK>.exit (if set)."""
+    """Leave this rank's exit code in $TRAINER_STATUS_DIR/attempt-<restart>.rank-<RANK>.exit."""
     import os
 
     environ = os.environ if environ is None else environ
     folder = environ.get(STATUS_DIR_ENV)
     if not folder or code == ExitCode.OK:
         return
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    name = f"attempt-{attempt}.rank-{environ.get('RANK', '0')}.exit"
     try:
-        with open(os.path.join(folder, f"rank-{environ.get('RANK', '0')}.exit"), "w") as f:
+        with open(os.path.join(folder, name), "w") as f:
             f.write(f"{int(code)}\n")
     except OSError:
         pass  # the status file is a courtesy to the launcher; never mask the real exit
 
 
-def node_exit_code(folder: str, fallback: int) -> int:
-    """The most significant code the ranks left in `folder`, else `fallback` (torchrun's)."""
+def node_exit_code(folder: str, fallback: int, signalled: bool = False) -> int:
+    """The most significant code the ranks of the LAST attempt left in `folder`, else `fallback`."""
     import os
+    import re
 
-    codes = set()
+    by_attempt: dict[int, set[int]] = {}
     try:
         names = os.listdir(folder)
     except OSError:
         return fallback
     for name in names:
-        if name.endswith(".exit"):
-            try:
-                with open(os.path.join(folder, name)) as f:
-                    codes.add(int(f.read().strip()))
-            except (OSError, ValueError):
-                continue
+        m = re.match(r"^attempt-(\d+)\.rank-\d+\.exit$", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(folder, name)) as f:
+                by_attempt.setdefault(int(m.group(1)), set()).add(int(f.read().strip()))
+        except (OSError, ValueError):
+            continue
+    codes = by_attempt[max(by_attempt)] if by_attempt else set()
+    if not signalled:
+        codes.discard(ExitCode.PREEMPTED)
     for code in SEVERITY:
         if code in codes:
             return int(code)
@@ -76,13 +86,16 @@ class UsageError(TrainerError):
     """Input the user must fix. Printed as one line, exit code 2, no traceback."""
 
     exit_code = ExitCode.USAGE
+
+
+class ConfigError(UsageError):
+    """A config mistake: the same on every rank, so rank 0 alone reports it."""
+
     every_rank = False
 
 
 class EnvError(UsageError):
-    """A bad launch environment. Rank-specific, so every rank reports it (config errors: rank 0)."""
-
-    every_rank = True
+    """A bad launch environment (rank-specific: every rank reports it)."""
 
 
 class Preempted(TrainerError):

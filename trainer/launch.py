@@ -326,7 +326,7 @@ def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
         fallback = 128 + signalled
     else:
         fallback = returncode
-    return node_exit_code(status_dir, fallback)
+    return node_exit_code(status_dir, fallback, signalled=signalled is not None)
 
 
 USAGE = """usage: trainer-launch [--dry-run] [TRAINER_ARGS ... | -- COMMAND ...]

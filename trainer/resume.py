@@ -15,7 +15,7 @@ import torch
 
 from trainer import checkpoint, dist, metrics, repro
 from trainer.config import Config, ckpt_dir, to_dict, to_yaml
-from trainer.errors import RetryableError, UsageError
+from trainer.errors import ConfigError, RetryableError, UsageError
 from trainer.loop import LoopState
 from trainer.strategy import unwrap
 
@@ -82,7 +82,7 @@ class Checkpointer:
                 error = str(e)
         choice, error = dist.broadcast_object((choice, error))
         if error:
-            raise UsageError(error)
+            raise ConfigError(error)  # rank 0 decided for everyone: reported once
         if choice is None:
             if self.cfg.ckpt.init_weights:
                 checkpoint.load_weights_into(self.model, self.cfg.ckpt.init_weights)
@@ -105,7 +105,7 @@ class Checkpointer:
         saved_cfg = OmegaConf.to_container(OmegaConf.create(payload["config_yaml"]))
         conflicts = config_conflicts(saved_cfg, to_dict(self.cfg))
         if conflicts:
-            raise UsageError(
+            raise ConfigError(
                 f"cannot resume {path}: the config changed ({'; '.join(conflicts[:4])}); "
                 "use the saved values, or start fresh with ckpt.resume=never or a new run_dir"
             )

@@ -19,7 +19,7 @@ import torch
 
 from trainer import checkpoint, data, dist, loop, metrics, models, optim, repro, strategy
 from trainer.config import Config, to_dict, to_yaml
-from trainer.errors import UsageError
+from trainer.errors import ConfigError, UsageError
 from trainer.resume import Checkpointer
 from trainer.signals import StopSignal
 
@@ -29,7 +29,7 @@ def check_batch(cfg: Config, denv: dist.DistEnv) -> None:
     if b % w:
         lo, hi = (b // w) * w, (b // w + 1) * w
         suggestion = f"{lo} or {hi}" if lo else f"{hi}"
-        raise UsageError(
+        raise ConfigError(
             f"data.global_batch_size={b} does not split over {w} ranks: "
             f"use a multiple of {w} (e.g. data.global_batch_size={suggestion})"
         )
