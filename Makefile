@@ -70,7 +70,7 @@ lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway ve
 image:  ## build the image $(IMAGE):$(VARIANT) from docker/Dockerfile (VARIANT=cuda|cpu; needs a Docker engine)
 	docker build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) \
 		--build-arg VERSION=$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) \
-		--build-arg REVISION=$$(git rev-parse --short HEAD 2>/dev/null || echo unknown) \
+		--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
 		--build-arg CREATED=$$(date -u +%Y-%m-%dT%H:%M:%SZ) \
 		-t $(IMAGE):$(VARIANT) .
 
