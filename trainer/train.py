@@ -154,6 +154,9 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
         "checkpoint_failures": ckpt.failures,
         "precision": cfg.train.precision,
         "skipped_steps": dist.gather_objects(step.skipped_steps),  # fp16 overflow, per rank
+        "peak_gpu_memory_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else None
+        ),
         "config": to_dict(cfg),
     }
     if denv.is_main:
