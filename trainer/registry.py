@@ -11,7 +11,13 @@ from collections.abc import Callable
 from trainer.errors import UsageError, check_choice
 
 DATASETS: dict[str, str] = {
-    "digits": "trainer.data:digits",
+    "digits": "trainer.datasets.tabular:digits",
+    "diabetes": "trainer.datasets.tabular:diabetes",
+    "mnist": "trainer.datasets.vision:mnist",
+    "fashion_mnist": "trainer.datasets.vision:fashion_mnist",
+    "cifar10": "trainer.datasets.vision:cifar10",
+    "imagefolder": "trainer.datasets.folder:imagefolder",
+    "synthetic": "trainer.datasets.synthetic:synthetic",
 }
 
 MODELS: dict[str, str] = {

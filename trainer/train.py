@@ -57,7 +57,7 @@ def _train(
     cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: str, started: float
 ) -> dict:
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
-    spec = data.build(cfg.data, cfg.seed)
+    spec = data.build(cfg.data, cfg.seed, device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
     model = strategy.wrap(model, wrap_as, denv, device)
     optimizer = optim.build_optimizer(cfg.optim, model.parameters())
@@ -112,6 +112,8 @@ def _train(
         metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
         ev = summary["eval"]
         acc = f", accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else ""
+        if "mae" in ev:
+            acc = f", MSE {ev['mse']:.4g}, MAE {ev['mae']:.4g}"
         print(
             f"done: {state.step} steps in {summary['train_time_s']:.1f} s "
             f"({summary['samples_per_s']:,.0f} samples/s) | test loss {ev['loss']:.4f}{acc} "
