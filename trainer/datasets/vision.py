@@ -99,13 +99,13 @@ def _make(factory, cfg: DataConfig, source: _Source):
     try:
         return factory(cfg.root, True), factory(cfg.root, False)
     except RuntimeError as e:
-        if "corrupted" in str(e):  # torchvision's md5 check (CIFAR-10)
-            raise UsageError(
-                f"data.name={cfg.name}: files in {os.path.join(cfg.root, source.folder)} do not "
-                "match torchvision's published checksums (a partial download or another "
-                "release?): replace them, or set data.verify_checksums=false to use this copy"
-            ) from None
-        raise
+        if "corrupted" not in str(e):  # e.g. a truncated IDX file fails torch's reshape
+            raise UsageError(_unreadable(cfg, source, e)) from None
+        raise UsageError(  # torchvision's md5 check (CIFAR-10)
+            f"data.name={cfg.name}: files in {os.path.join(cfg.root, source.folder)} do not "
+            "match torchvision's published checksums (a partial download or another "
+            "release?): replace them, or set data.verify_checksums=false to use this copy"
+        ) from None
     except (
         AssertionError,
         ValueError,
@@ -115,11 +115,15 @@ def _make(factory, cfg: DataConfig, source: _Source):
         KeyError,
         pickle.PickleError,
     ) as e:
-        raise UsageError(
-            f"data.name={cfg.name}: cannot read {os.path.join(cfg.root, source.folder)} "
-            f"({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else 'bad format'}): "
-            f"replace the files with {source.how}"
-        ) from None
+        raise UsageError(_unreadable(cfg, source, e)) from None
+
+
+def _unreadable(cfg: DataConfig, source: _Source, e: BaseException) -> str:
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else "bad format"
+    return (
+        f"data.name={cfg.name}: cannot read {os.path.join(cfg.root, source.folder)} "
+        f"({type(e).__name__}: {detail}): replace the files with {source.how}"
+    )
 
 
 def _download(factory, cfg: DataConfig, source: _Source) -> None:
