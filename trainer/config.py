@@ -116,17 +116,20 @@ class DataConfig:
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "mlp"
-    """Model: a registered name (mlp, lenet, ...) or `package.module:factory`."""
+    """Model: mlp | lenet | resnet18 | vgg11, or `package.module:factory`."""
     hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Hidden layer widths (mlp)."""
     dropout: float = 0.0
-    """Dropout probability (mlp). Non-zero dropout draws per-rank randomness."""
+    """Dropout probability (mlp, vgg11's classifier). Non-zero dropout draws per-rank randomness."""
     activation: str = "relu"
     """relu | sigmoid (lenet: d2l uses sigmoid)."""
     num_classes: int | None = None
     """Output size; default: taken from the dataset."""
     in_channels: int | None = None
     """Input channels; default: taken from the dataset."""
+    sync_bn: bool = False
+    """Under DDP, replace BatchNorm by SyncBatchNorm (batch statistics over the global batch, so
+    BN models match a single process). torch supports it on CUDA only. World 1: no change."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the factory (useful for plug-ins)."""
 

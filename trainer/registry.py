@@ -23,6 +23,8 @@ DATASETS: dict[str, str] = {
 MODELS: dict[str, str] = {
     "mlp": "trainer.models:mlp",
     "lenet": "trainer.models:lenet",
+    "resnet18": "trainer.models:resnet18",
+    "vgg11": "trainer.models:vgg11",
 }
 
 _TABLES = {"data.name": DATASETS, "model.name": MODELS}

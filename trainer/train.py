@@ -59,7 +59,7 @@ def _train(
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed, device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
-    model = strategy.wrap(model, wrap_as, denv, device)
+    model = strategy.wrap(model, wrap_as, denv, device, sync_bn=cfg.model.sync_bn)
     optimizer = optim.build_optimizer(cfg.optim, model.parameters())
     steps_per_epoch = len(loop.epoch_plan(cfg, spec, 0))
     last_step = loop.total_steps(cfg, steps_per_epoch)
