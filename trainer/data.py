@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -46,10 +47,25 @@ def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
 
 
-def _finisher(data, device: str):
+def _finisher(data: Split, device: str):
     """to-float-and-normalise for one pass, with the statistics copied to the device once."""
     mean, std = _on(data.mean, device), _on(data.std, device)
     return lambda x: pixels_to_float(x, mean, std)
+
+
+class Split(Protocol):
+    """What the batch streams need of a split: ArrayDataset, or a lazy FolderDataset."""
+
+    lazy: bool
+    """Decodes files per sample (cannot live on the device)."""
+    mean: torch.Tensor | None
+    std: torch.Tensor | None
+
+    def __len__(self) -> int: ...
+
+    def take(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored inputs (uint8 pixels or floats) and targets of samples `idx`."""
+        ...
 
 
 class ArrayDataset(torch.utils.data.Dataset):
@@ -116,9 +132,9 @@ class LoaderOptions:
 class DataSpec:
     """What the rest of the job needs to know about a dataset."""
 
-    train: ArrayDataset
-    """ArrayDataset, or a lazy dataset with the same take/mean/std (trainer.datasets.folder)."""
-    test: ArrayDataset
+    train: Split
+    """An ArrayDataset, or a lazy split such as trainer.datasets.folder.FolderDataset."""
+    test: Split
     task: str
     """classification | regression"""
     in_shape: tuple[int, ...]
@@ -153,7 +169,7 @@ def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
         )
     train, test = spec.train, spec.test
     if cfg.device_resident:
-        if train.lazy or test.lazy:
+        if not (isinstance(train, ArrayDataset) and isinstance(test, ArrayDataset)):
             raise UsageError(
                 f"data.device_resident=true needs an in-memory dataset, but {cfg.name} decodes "
                 "files per sample: set data.device_resident=false (and data.num_workers to decode "
@@ -271,7 +287,7 @@ class _Keys:
 class _Fetch(torch.utils.data.Dataset):
     """Runs in the loader (a worker or the main process): gather or decode, then augment."""
 
-    def __init__(self, data, pad: int | None):
+    def __init__(self, data: Split, pad: int | None):
         self.data, self.pad = data, pad
 
     def __len__(self) -> int:
