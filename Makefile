@@ -82,14 +82,14 @@ image:  ## build the image $(IMAGE):$(VARIANT) from docker/Dockerfile (VARIANT=c
 compose-up:  ## docker compose up: train on all GPUs of this host (PROFILE=cpu SERVICE=cpu: no GPU)
 	$(COMPOSE) $(if $(PROFILE),--profile $(PROFILE)) up --build $(SERVICE)
 
-k8s-render:  ## render every k8s/overlays/* into $(K8S_OUT)/<overlay>.yaml (offline: kubectl kustomize)
+k8s-render:  ## render every k8s/overlays/* into build/k8s/<overlay>.yaml (offline; K8S_OUT=dir)
 	@command -v $(KUBECTL) >/dev/null || { echo "make k8s-render: needs kubectl (its built-in kustomize)" >&2; exit 2; }
 	@mkdir -p $(K8S_OUT)
 	@for o in $(K8S_OVERLAYS); do \
 		$(KUBECTL) kustomize k8s/overlays/$$o > $(K8S_OUT)/$$o.yaml || exit 2; echo "$(K8S_OUT)/$$o.yaml"; \
 	done
 
-k8s-apply:  ## kubectl apply -k k8s/overlays/$$OVERLAY (needs a cluster): OVERLAY=cpu-smoke|gpu|jobset|kubeflow
+k8s-apply:  ## kubectl apply -k one overlay (needs a cluster): OVERLAY=cpu-smoke|gpu|jobset|kubeflow
 	@if [ -z "$(filter $(K8S_OVERLAYS),$(OVERLAY))" ] || [ "$(words $(OVERLAY))" != 1 ]; then \
 		echo "make k8s-apply: set OVERLAY to one of: $(K8S_OVERLAYS) (got '$(OVERLAY)')" >&2; exit 2; fi
 	$(KUBECTL) apply -k k8s/overlays/$(OVERLAY)

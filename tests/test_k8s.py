@@ -236,7 +236,10 @@ def job_failure(job: dict, container: str, failure) -> tuple[str, str] | None:
         if isinstance(failure, int):
             return ("PodFailurePolicy", f"Container {container} for pod ns/pod-0 failed with exit "
                     f"code {failure} matching FailJob rule at index {index}")  # fmt: skip
-        return "PodFailurePolicy", f"Pod ns/pod-0 has condition {failure} matching FailJob rule at index {index}"
+        return (
+            "PodFailurePolicy",
+            f"Pod ns/pod-0 has condition {failure} matching FailJob rule at index {index}",
+        )
     if action == "Count" and job.get("backoffLimit", 6) == 0:
         return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
     return None
@@ -245,7 +248,10 @@ def job_failure(job: dict, container: str, failure) -> tuple[str, str] | None:
 def jobset_action(jobset: dict, reason: str, message: str) -> str:
     """The JobSet controller's failurePolicy: the first rule matching reason and message."""
     for rule in jobset["spec"].get("failurePolicy", {}).get("rules", []):
-        reasons, patterns = rule.get("onJobFailureReasons", []), rule.get("onJobFailureMessagePatterns", [])
+        reasons, patterns = (
+            rule.get("onJobFailureReasons", []),
+            rule.get("onJobFailureMessagePatterns", []),
+        )
         if (not reasons or reason in reasons) and (
             not patterns or any(re.search(p, message) for p in patterns)
         ):
@@ -324,7 +330,9 @@ def test_every_variable_is_one_that_something_reads(overlay, torch_and_nccl_text
             with open(libnccl, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
                 assert m.find(name.encode() + b"\0") >= 0, f"{name}: NCCL does not read it"
         else:
-            pytest.fail(f"{overlay}: {name} is read by nothing (trainer-launch reads {sorted(names)})")
+            pytest.fail(
+                f"{overlay}: {name} is read by nothing (trainer-launch reads {sorted(names)})"
+            )
 
 
 def flags(plan) -> dict[str, str]:
@@ -387,3 +395,21 @@ def test_trainer_launch_dry_run_with_a_cpu_smoke_pods_env(tmp_path):
     assert f"--rdzv-endpoint={kube.pods(objs)[0].dns_name}:" in p.stdout
     assert "is_host=0" in p.stdout and f"--local-addr={pod.ip}" in p.stdout
     assert "this is node 1" in p.stdout
+
+
+def test_make_k8s_render_writes_every_overlay_and_k8s_apply_refuses_a_bad_overlay(tmp_path):
+    p = subprocess.run(["make", "-s", "k8s-render", f"K8S_OUT={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.stem for f in tmp_path.glob("*.yaml")) == kube.OVERLAYS
+    for overlay in kube.OVERLAYS:
+        import yaml
+
+        written = [o for o in yaml.safe_load_all((tmp_path / f"{overlay}.yaml").read_text()) if o]
+        assert written == kube.render(overlay)
+    for bad in ("", "nope"):
+        p = subprocess.run(["make", "-s", "k8s-apply", f"OVERLAY={bad}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert p.returncode == 2
+        first = p.stderr.splitlines()[0]
+        assert all(o in first for o in kube.OVERLAYS) and f"'{bad}'" in first
