@@ -31,7 +31,9 @@ import yaml
 from tests.helpers import ROOT
 
 K8S = ROOT / "k8s"
-OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists())
+OVERLAYS = sorted(
+    p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()
+)
 CRDS = ROOT.parent / "shared" / "schemas" / "crds"
 KUBERNETES_VERSION = "1.37"  # the newest schemas kubernetes-validate 1.37.0 ships
 
@@ -79,7 +81,7 @@ def kinds(objs: list[dict]) -> list[str]:
 def is_core(obj: dict) -> bool:
     """Built into Kubernetes (schemas in kubernetes-validate), as opposed to a CRD's kind."""
     group = obj["apiVersion"].rpartition("/")[0]
-    return "." not in group or group.endswith(".k8s.io") and not group.endswith(".x-k8s.io")
+    return "." not in group or (group.endswith(".k8s.io") and not group.endswith(".x-k8s.io"))
 
 
 @functools.cache
@@ -128,7 +130,9 @@ def validate_crd_object(obj: dict) -> list[str]:
     schema = crd_schema(obj)
     assert schema is not None, f"no CRD schema for {obj['apiVersion']} {obj['kind']}"
     validator = jsonschema.Draft7Validator(strict(schema))
-    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
+    return [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)
+    ]
 
 
 @functools.cache
@@ -236,8 +240,10 @@ class Pod:
         expand $(VAR) from the container's environment."""
         e = self.env()
         command = self.container.get("command") or entrypoint
-        args = self.container.get("args") if "args" in self.container else (
-            cmd if "command" not in self.container else []
+        args = (
+            self.container.get("args")
+            if "args" in self.container
+            else (cmd if "command" not in self.container else [])
         )
         return [expand(str(a), e) for a in [*command, *(args or [])]]
 
