@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -106,7 +107,8 @@ class Cluster:
         self.starts[i] += 1
         log = open(self.tmp / f"pod{i}-start{self.starts[i]}.log", "w")  # noqa: SIM115
         self.procs[i] = self.net.popen(i, self.argv[i], own_pids=True, env=self.envs[i],
-                                       cwd=self.workspace, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+                                       cwd=self.workspace, stdout=log, stderr=subprocess.STDOUT,
+                                       preexec_fn=_die_with_this_process)  # fmt: skip
         log.close()
 
     def kill(self, i: int) -> None:
@@ -132,11 +134,32 @@ class Cluster:
                 p.wait(timeout=30)
 
 
+def _die_with_this_process() -> None:
+    """A "pod" (its whole PID namespace, through unshare --kill-child) is SIGKILLed if the test
+    process dies before its cleanup runs (say, pytest killed by a timeout)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 def _network(pods: list[kube.Pod]) -> netns.Network:
     hosts = {}
     for pod in pods:  # what the headless Service's DNS records (and the pod's own /etc/hosts) give
         hosts[pod.dns_name] = hosts[pod.hostname] = pod.index
     return netns.Network(len(pods), hosts=hosts)
+
+
+def _unavailable() -> str | None:
+    return netns.unavailable() or (
+        None if shutil.which("unshare") else "needs unshare (util-linux)"
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _namespaces():
+    """Skip before the (costly) reference run where namespaces cannot be made."""
+    if reason := _unavailable():
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +191,7 @@ def _assert_same_weights(run_dir: Path, reference_dir: Path) -> float:
     return worst
 
 
-def _unavailable() -> str | None:
-    return netns.unavailable() or (
-        None if shutil.which("unshare") else "needs unshare (util-linux)"
-    )
-
-
 def test_cpu_smoke_trains_across_two_network_namespaces_like_a_local_run(tmp_path, reference):
-    if reason := _unavailable():
-        pytest.skip(reason)
     pods = kube.pods(kube.render(OVERLAY))
     with _network(pods) as net:
         cluster = Cluster(tmp_path, net)
@@ -221,8 +236,6 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
     The final weights equal an uninterrupted local run's. Test-only additions to the rendered env:
     MAX_RESTARTS, and TRAIN_ARGS that slow each step (same weights) and checkpoint every 10 steps,
     so that the kills land mid-run."""
-    if reason := _unavailable():
-        pytest.skip(reason)
     pods = kube.pods(kube.render(OVERLAY))
     extra = {"MAX_RESTARTS": "3", "PYTHONPATH": str(ROOT),
              "TRAIN_ARGS": "model.name=tests.helpers:slow_mlp model.kwargs.delay=0.03 "
