@@ -252,8 +252,8 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
             wait_for(lambda: _step(newest()) >= 20, TIMEOUT, "a checkpoint at step 20",
                      cluster.procs[0])  # fmt: skip
             cluster.kill(1)
+            time.sleep(1.0)  # rank 0 cannot take another step (or finish a save) without rank 1
             a_ckpt = newest()
-            time.sleep(1.0)
             assert cluster.procs[0].poll() is None, "pod 0 must wait for the lost node"
             cluster.start(1)
             wait_for(lambda: _step(newest()) >= _step(a_ckpt) + 10, TIMEOUT,
