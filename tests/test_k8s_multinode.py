@@ -31,6 +31,7 @@ import pytest
 from tests import dockerfile, netns
 from tests import k8s as kube
 from tests.helpers import ROOT, checkpoints, env, wait_for, weights
+from trainer.errors import ExitCode
 
 pytestmark = [
     pytest.mark.k8s,
@@ -277,7 +278,7 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
     assert f"resumed from {checkpoints_dir / a_ckpt} " not in cluster.log(1, start=1)
     # B: the survivor failed on its own (it cannot reach the lost store), and did not hang; the
     # recreated group resumed from the newest checkpoint.
-    assert survivor != 0 and survivor_s < 60, (survivor, survivor_s)
+    assert survivor == ExitCode.RETRYABLE and survivor_s < 60, (survivor, survivor_s)
     assert f"resumed from {checkpoints_dir / b_ckpt} " in cluster.log(0), cluster.logs()
     summary = json.loads((run_dir / "summary.json").read_text())
     ref = json.loads((reference / "summary.json").read_text())
