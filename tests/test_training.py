@@ -58,37 +58,18 @@ def disk(tmp_path_factory):
     return root
 
 
+SYNTHETIC_8PX = ["data.name=synthetic", "data.synthetic.shape=[3,8,8]", "data.synthetic.size=32",
+                 "data.synthetic.test_size=16", "data.global_batch_size=16", "optim.lr=0.001",
+                 "train.epochs=6"]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
         pytest.param(["model.name=mlp", "train.max_steps=30"], id="digits-mlp"),
         pytest.param(["model.name=lenet", "train.max_steps=30"], id="digits-lenet"),
-        pytest.param(
-            [
-                "data.name=synthetic",
-                "data.synthetic.shape=[3,8,8]",
-                "data.synthetic.size=32",
-                "data.synthetic.test_size=16",
-                "data.global_batch_size=16",
-                "model.name=resnet18",
-                "optim.lr=0.001",
-                "train.epochs=6",
-            ],
-            id="synthetic-resnet18",
-        ),
-        pytest.param(
-            [
-                "data.name=synthetic",
-                "data.synthetic.shape=[3,8,8]",
-                "data.synthetic.size=32",
-                "data.synthetic.test_size=16",
-                "data.global_batch_size=16",
-                "model.name=vgg11",
-                "optim.lr=0.001",
-                "train.epochs=6",
-            ],
-            id="synthetic-vgg11",
-        ),
+        pytest.param([*SYNTHETIC_8PX, "model.name=resnet18"], id="synthetic-resnet18"),
+        pytest.param([*SYNTHETIC_8PX, "model.name=vgg11"], id="synthetic-vgg11"),
     ],
 )
 def test_embedded_and_synthetic_data_train(tmp_path, overrides):

@@ -123,6 +123,18 @@ def choose_device(
 _control_group = None  # set by init() when the main backend is not gloo (e.g. nccl)
 
 
+def resolve(device: str, backend: str, environ: Mapping[str, str]) -> tuple[DistEnv, str, str]:
+    """This process's rank facts, torch device and backend (dist.device / dist.backend choices)."""
+    import torch
+
+    denv = from_env(environ)
+    gpus = torch.cuda.device_count() if device != "cpu" else 0
+    device, backend = choose_device(
+        denv, device, backend, gpus, environ.get("CUDA_VISIBLE_DEVICES")
+    )
+    return denv, device, backend
+
+
 def init(denv: DistEnv, device: str, backend: str, timeout_s: int) -> None:
     """Join the process group (world > 1 only) with a bounded timeout, and pin the GPU."""
     global _control_group

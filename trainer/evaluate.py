@@ -4,20 +4,13 @@ from __future__ import annotations
 
 import os
 
-import torch
-
 from trainer import checkpoint, data, dist, loop, models
 from trainer.config import Config
 
 
 def run(cfg: Config, src: str) -> dict:
     """Evaluate the weights at `src` (run dir, checkpoint dir or weights file) on cfg's data."""
-    denv = dist.from_env(os.environ)
-    device, backend = dist.choose_device(
-        denv, cfg.dist.device, cfg.dist.backend,
-        torch.cuda.device_count() if cfg.dist.device != "cpu" else 0,
-        os.environ.get("CUDA_VISIBLE_DEVICES"),
-    )  # fmt: skip
+    denv, device, backend = dist.resolve(cfg.dist.device, cfg.dist.backend, os.environ)
     dist.init(denv, device, backend, cfg.dist.timeout_s)
     try:
         spec = data.build(cfg.data, cfg.seed)

@@ -44,12 +44,7 @@ def run(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None) -
         with StopSignal() as own:
             return run(cfg, dry_run=dry_run, stop=own)
     started = time.time()
-    denv = dist.from_env(os.environ)
-    device, backend = dist.choose_device(
-        denv, cfg.dist.device, cfg.dist.backend,
-        torch.cuda.device_count() if cfg.dist.device != "cpu" else 0,
-        os.environ.get("CUDA_VISIBLE_DEVICES"),
-    )  # fmt: skip
+    denv, device, backend = dist.resolve(cfg.dist.device, cfg.dist.backend, os.environ)
     wrap_as = strategy.resolve(cfg.dist.strategy, denv)
     check_batch(cfg, denv)
     repro.configure(cfg.repro)
