@@ -316,7 +316,8 @@ def test_help_shows_the_docstring(tmp_path):
     [
         (["optim.lrr=0.1"], "unknown key 'optim.lrr' (did you mean 'optim.lr'?)"),
         (["--config", "digits-lenett"], "(did you mean 'digits-lenet'?)"),
-        (["--gpu", "2", "--nproc_per_node", "4"], "--nproc_per_node 4 but --gpu 2"),
+        (["--gpu", "2", "--nproc_per_node", "4"], "--nproc_per_node 4 but 2 GPU(s) per node"),
+        (["-h", "no-such-host"], "-h no-such-host: No named resource found"),
     ],
 )
 def test_mistakes_stop_before_submitting_in_one_line(tmp_path, args, fragment):
@@ -325,6 +326,23 @@ def test_mistakes_stop_before_submitting_in_one_line(tmp_path, args, fragment):
     assert p.returncode == 2, p.stderr[-2000:]
     assert fragment in p.stderr and "Traceback" not in p.stderr
     assert "SCHEDULER REQUEST" not in p.stdout
+
+
+def test_one_process_per_gpu_by_default_also_for_a_named_resource():
+    from torchx import specs
+
+    from trainer import components
+
+    p4d = specs.resource(h="aws_p4d.24xlarge").gpu
+    for kwargs, gpus, nproc in (
+        ({}, 0, 1),
+        ({"gpu": 4}, 4, 4),
+        ({"h": "aws_p4d.24xlarge"}, p4d, p4d),
+    ):
+        role = components.train(**kwargs).roles[0]
+        assert role.resource.gpu == gpus
+        flags = torchrun_flags(torchrun_argv([role.entrypoint, *role.args]))
+        assert flags["--nproc_per_node"] == str(nproc)
 
 
 def test_a_config_only_inside_the_image_is_left_to_the_job():

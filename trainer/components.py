@@ -74,7 +74,7 @@ def train(
         image: container image (local_docker, kubernetes); `make image` builds trainer:cuda and
             `make image VARIANT=cpu` trainer:cpu. local_cwd ignores it and runs this checkout
         nnodes: number of nodes (replicas); more than one uses a c10d rendezvous on replica 0
-        nproc_per_node: processes per node; 0: one per GPU (gpu), else 1
+        nproc_per_node: processes per node; 0: one per GPU (gpu, or h's), else 1
         cpu: CPUs per node
         gpu: GPUs per node (kubernetes: nvidia.com/gpu; local_docker: a GPU device request)
         memMB: memory per node in MB (local_docker also sizes /dev/shm to it)
@@ -88,13 +88,19 @@ def train(
         rdzv_port: rendezvous port on replica 0 (several nodes only)
         name: job name: {experiment}/{run}, {experiment}/, /{run} or {run} (default run: trainer)
     """
-    nproc = nproc_per_node or gpu or 1
+    gpus = gpu
+    if h is not None:
+        try:
+            gpus = specs.resource(h=h).gpu
+        except KeyError as e:
+            _check(False, f"-h {h}: {e.args[0] if e.args else e}")
+    nproc = nproc_per_node or gpus or 1
     _check(nnodes >= 1, f"--nnodes {nnodes}: use 1 or more nodes")
     _check(nproc >= 1, f"--nproc_per_node {nproc}: use 1 or more processes (0: one per GPU)")
     _check(
-        h is not None or gpu == 0 or nproc <= gpu,
-        f"--nproc_per_node {nproc} but --gpu {gpu}: use at most one process per GPU "
-        "(or gpu=0 and dist.device=cpu)",
+        gpus == 0 or nproc <= gpus,
+        f"--nproc_per_node {nproc} but {gpus} GPU(s) per node: use at most one process per GPU "
+        "(or no GPUs and dist.device=cpu)",
     )
     args = ["train", "--config", config, f"run_dir=runs/{specs.macros.app_id}", *overrides]
     _preflight(config, args[3:])
