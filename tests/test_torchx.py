@@ -203,18 +203,23 @@ def test_every_job_gets_its_own_rendezvous_id_and_run_dir(tmp_path):
 
 
 def docker_dryrun(*args: str):
-    """The Docker containers TorchX's local_docker would start (its own runner API, in process)."""
-    from torchx.runner import get_runner
+    """The Docker containers TorchX's local_docker would start (its own runner API, in process),
+    with the repo's .torchxconfig applied as the CLI applies it."""
+    from torchx.runner import config, get_runner
 
+    cfg: dict = {}
+    config.apply("local_docker", cfg, dirs=[str(ROOT)])
     with get_runner() as runner:
         info = runner.dryrun_component(f"{ROOT}/{COMPONENT}", list(args), "local_docker",
-                                       cfg={}, workspace=None)  # fmt: skip
+                                       cfg=cfg, workspace=None)  # fmt: skip
     return info.request
 
 
-def test_local_docker_dryrun_containers(tmp_path):
+def test_local_docker_dryrun_containers(tmp_path, monkeypatch):
     from trainer.launch import TORCH_ENV
 
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")  # .torchxconfig copies it into the containers
+    monkeypatch.setenv("TORCHXCONFIG", str(ROOT / ".torchxconfig"))  # this file alone
     data = tmp_path / "data"
     nnodes, nproc, cpu, gpu, mem = 2, 2, 3, 2, 6144
     req = docker_dryrun("--image", "trainer:cpu", "--nnodes", str(nnodes), "--nproc_per_node",
@@ -236,6 +241,7 @@ def test_local_docker_dryrun_containers(tmp_path):
         assert [r["Count"] for r in kw["device_requests"]] == [gpu]
         assert TORCH_ENV.items() <= kw["environment"].items()
         assert kw["environment"]["TORCHX_RANK0_HOST"] == rank0
+        assert kw["environment"]["NCCL_DEBUG"] == "INFO"
         (m,) = kw["mounts"]
         assert (m["Type"], m["Source"], m["Target"], m["ReadOnly"]) == (
             "bind", str(data), "/workspace/data", True)  # fmt: skip
