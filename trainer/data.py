@@ -1,28 +1,97 @@
-"""Datasets (built by registry name) and the per-rank batch streams the loop consumes.
+"""What a dataset is (DataSpec), and the per-rank batch streams the loop consumes.
 
-A dataset factory takes (DataConfig, seed) and returns a DataSpec; nothing is downloaded here.
+A dataset factory takes (DataConfig, seed) and returns a DataSpec; the built-in factories live in
+trainer/datasets/. `build` adds how batches are delivered (device, augmentation, workers).
+
+Two ways a batch reaches the model, both giving identical tensors:
+- host: a DataLoader whose batch sampler is this rank's slices of the global batches (so the
+  global-batch semantics are the sampler's), optional worker processes that gather/decode and
+  augment, pinned memory, then one copy per batch to the device;
+- device-resident (data.device_resident): the whole in-memory dataset lives on the device and
+  batches are sliced, gathered and augmented there; only the epoch's permutation is copied, once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from trainer import registry, sampler
 from trainer.config import DataConfig
+from trainer.datasets.augment import crop_flip
 from trainer.errors import UsageError
 
 
-class ArrayDataset(torch.utils.data.Dataset):
-    """An in-memory (inputs, targets) pair, indexed a whole batch at a time."""
+def pixels_to_float(
+    x: torch.Tensor, mean: torch.Tensor | None, std: torch.Tensor | None
+) -> torch.Tensor:
+    """uint8 pixels -> float in [0, 1], then (x - mean) / std per channel; float x passes through."""
+    if x.dtype == torch.uint8:
+        x = x.float().div_(255.0)
+    if mean is not None:
+        shape = (1, -1, *([1] * (x.dim() - 2)))  # (1, C, 1, 1): broadcast over the channel dim
+        x = (x - mean.to(x.device).view(shape)) / std.to(x.device).view(shape)
+    return x
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+
+def _stats(values: Sequence[float] | None) -> torch.Tensor | None:
+    return None if values is None else torch.tensor(list(values), dtype=torch.float32)
+
+
+def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def _finisher(data: Split, device: str):
+    """to-float-and-normalise for one pass, with the statistics copied to the device once."""
+    mean, std = _on(data.mean, device), _on(data.std, device)
+    return lambda x: pixels_to_float(x, mean, std)
+
+
+class Split(Protocol):
+    """What the batch streams need of a split: ArrayDataset, or a lazy FolderDataset."""
+
+    lazy: bool
+    """Decodes files per sample (cannot live on the device)."""
+    mean: torch.Tensor | None
+    std: torch.Tensor | None
+
+    def __len__(self) -> int: ...
+
+    def take(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stored inputs (uint8 pixels or floats) and targets of samples `idx`."""
+        ...
+
+
+class ArrayDataset(torch.utils.data.Dataset):
+    """In-memory (inputs, targets), indexed a whole batch at a time.
+
+    Float inputs are used as they are. uint8 inputs are pixels, kept compact (a quarter of
+    float32) and converted per batch, on the device, by `pixels_to_float`; `mean`/`std` (per
+    channel, or one value for all) then standardise them.
+    """
+
+    lazy = False
+    """Lazy datasets decode files per sample; in-memory ones can live on the device."""
+
+    def __init__(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        mean: Sequence[float] | None = None,
+        std: Sequence[float] | None = None,
+    ):
         if len(x) != len(y):
             raise ValueError(f"inputs ({len(x)}) and targets ({len(y)}) differ in length")
+        if (mean is None) != (std is None):
+            raise ValueError("give both mean and std, or neither")
         self.x, self.y = x, y
+        self.mean, self.std = _stats(mean), _stats(std)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -30,23 +99,54 @@ class ArrayDataset(torch.utils.data.Dataset):
     def __getitem__(self, i):
         return self.x[i], self.y[i]
 
-    def take(self, idx: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        t = torch.from_numpy(np.asarray(idx, dtype=np.int64))
-        return self.x[t], self.y[t]
+    def take(self, idx: np.ndarray | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored (not yet float) inputs and the targets of samples `idx`."""
+        if isinstance(idx, np.ndarray):
+            idx = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+        return self.x[idx], self.y[idx]
+
+    def to(self, device: str | torch.device) -> ArrayDataset:
+        """A copy on `device` (the same object when already there)."""
+        if self.x.device == torch.device(device):
+            return self
+        moved = ArrayDataset(self.x.to(device), self.y.to(device))
+        moved.mean, moved.std = _on(self.mean, device), _on(self.std, device)
+        return moved
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """How batches are delivered: set by `build` from data.* and the run's device."""
+
+    device: str = "cpu"
+    """Where train_batches/eval_batches put their tensors."""
+    augment: bool = False
+    crop_padding: int = 4
+    num_workers: int = 0
+    pin_memory: bool = False
+    persistent_workers: bool = False
+    device_resident: bool = False
 
 
 @dataclass(frozen=True)
 class DataSpec:
     """What the rest of the job needs to know about a dataset."""
 
-    train: ArrayDataset
-    test: ArrayDataset
+    train: Split
+    """An ArrayDataset, or a lazy split such as trainer.datasets.folder.FolderDataset."""
+    test: Split
     task: str
     """classification | regression"""
     in_shape: tuple[int, ...]
     """One sample's input shape, e.g. (1, 8, 8)."""
     num_classes: int
     """Classes (classification) or target width (regression)."""
+    target_scale: float = 1.0
+    """Regression: the std the targets were divided by; eval reports MSE and MAE in the
+    target's own units (times this, squared for MSE)."""
+    loader: LoaderOptions = field(default_factory=LoaderOptions)
+    _loaders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    """DataLoaders kept across epochs, so persistent workers persist."""
 
     def __post_init__(self) -> None:
         if self.task not in ("classification", "regression"):
@@ -55,65 +155,169 @@ class DataSpec:
             raise UsageError("the dataset has an empty train or test split: check data.* settings")
 
 
-def build(cfg: DataConfig, seed: int) -> DataSpec:
+def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
+    """The dataset `data.name`, delivering batches to `device` as data.* asks."""
     spec = registry.resolve("data.name", cfg.name)(cfg, seed)
     if not isinstance(spec, DataSpec):
         raise UsageError(
             f"data.name: factory '{cfg.name}' returned {type(spec).__name__}, not trainer.data.DataSpec"
         )
-    return spec
-
-
-def _split(
-    n: int, labels: np.ndarray, test_fraction: float, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """A stratified train/test split, fixed by `seed`: each class keeps its share in both."""
-    rng = np.random.Generator(np.random.PCG64(seed))
-    train, test = [], []
-    for c in np.unique(labels):
-        idx = rng.permutation(np.flatnonzero(labels == c))
-        k = round(len(idx) * test_fraction)
-        test.append(idx[:k])
-        train.append(idx[k:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(test))
-
-
-def _standardize(x: np.ndarray, train_idx: np.ndarray) -> np.ndarray:
-    """Per-feature zero mean, unit variance, with statistics from the train split only."""
-    mean = x[train_idx].mean(axis=0)
-    std = x[train_idx].std(axis=0)
-    return (x - mean) / np.where(std > 0, std, 1.0)
-
-
-def digits(cfg: DataConfig, seed: int) -> DataSpec:
-    """sklearn's handwritten digits: 1,797 real 8x8 grey images, 10 classes, shipped with sklearn."""
-    from sklearn.datasets import load_digits
-
-    x, y = load_digits(return_X_y=True)
-    y_np = y.astype(np.int64)
-    tr, te = _split(len(y_np), y_np, cfg.test_fraction, cfg.split_seed)
-    x = _standardize(x, tr).astype(np.float32).reshape(-1, 1, 8, 8)
-    x = torch.from_numpy(x)
-    y = torch.from_numpy(y_np)
-    return DataSpec(
-        train=ArrayDataset(x[tr], y[tr]),
-        test=ArrayDataset(x[te], y[te]),
-        task="classification",
-        in_shape=(1, 8, 8),
-        num_classes=10,
+    if cfg.augment and len(spec.in_shape) != 3:
+        raise UsageError(
+            f"data.augment=true crops and flips images, but {cfg.name} samples have shape "
+            f"{tuple(spec.in_shape)}: set data.augment=false"
+        )
+    train, test = spec.train, spec.test
+    if cfg.device_resident:
+        if not (isinstance(train, ArrayDataset) and isinstance(test, ArrayDataset)):
+            raise UsageError(
+                f"data.device_resident=true needs an in-memory dataset, but {cfg.name} decodes "
+                "files per sample: set data.device_resident=false (and data.num_workers to decode "
+                "in parallel)"
+            )
+        train, test = train.to(device), test.to(device)  # once, for the whole run
+    options = LoaderOptions(
+        device=device,
+        augment=cfg.augment,
+        crop_padding=cfg.crop_padding,
+        num_workers=cfg.num_workers,
+        pin_memory=cfg.pin_memory and torch.device(device).type == "cuda",
+        persistent_workers=cfg.persistent_workers,
+        device_resident=cfg.device_resident,
     )
+    return dataclasses.replace(spec, train=train, test=test, loader=options)
 
 
 def train_batches(
     spec: DataSpec, plan: sampler.EpochPlan, rank: int, world: int, start: int = 0
-) -> Iterator:
-    """Yield (step_in_epoch, x, y, global_batch_size) for this rank, from step `start` on."""
-    for step, idx, global_count in plan.rank_batches(rank, world, start):
-        x, y = spec.train.take(idx)
-        yield step, x, y, global_count
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
+    """Yield (step_in_epoch, x, y, global_batch_size) for this rank, from step `start` on.
+
+    x is float, normalised and (with data.augment) augmented, on spec.loader.device. A rank whose
+    share of a tail batch is empty still gets a step: x of shape (0, *in_shape).
+    """
+    opts = spec.loader
+    pad = opts.crop_padding if opts.augment else None
+    finish = _finisher(spec.train, opts.device)
+    if opts.device_resident:
+        order = torch.from_numpy(plan.order()).to(opts.device)  # one copy per epoch
+        for step, lo, hi, count in plan.rank_spans(rank, world, start):
+            idx = order[lo:hi]
+            x, y = spec.train.take(idx)
+            if pad is not None:
+                x = crop_flip(x, idx, plan.seed, plan.epoch, pad)
+            yield step, finish(x), y, count
+        return
+    steps = list(plan.rank_batches(rank, world, start))
+    keys = [(plan.seed, plan.epoch, idx) for _, idx, _ in steps]
+    for (step, _, count), (x, y) in zip(
+        steps, _fetched(spec, "train", rank, world, keys), strict=True
+    ):
+        x, y = _to_device(x, y, opts)
+        yield step, finish(x), y, count
 
 
-def eval_batches(spec: DataSpec, batch: int, rank: int, world: int) -> Iterator:
+def eval_batches(
+    spec: DataSpec, batch: int, rank: int, world: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (x, y) for this rank over the test split; over all ranks, each sample exactly once."""
-    for idx in sampler.eval_batches(len(spec.test), batch, rank, world):
-        yield spec.test.take(idx)
+    opts = spec.loader
+    finish = _finisher(spec.test, opts.device)
+    if opts.device_resident:
+        for lo, hi in sampler.eval_spans(len(spec.test), batch, rank, world):
+            x, y = spec.test.x[lo:hi], spec.test.y[lo:hi]  # views: nothing is copied
+            yield finish(x), y
+        return
+    keys = [(0, None, idx) for idx in sampler.eval_batches(len(spec.test), batch, rank, world)]
+    for x, y in _fetched(spec, "test", rank, world, keys):
+        x, y = _to_device(x, y, opts)
+        yield finish(x), y
+
+
+def _fetched(spec: DataSpec, split: str, rank: int, world: int, keys: list):
+    """The host batches for `keys`, fetched in this process or by a DataLoader.
+
+    Without workers or pinning a DataLoader adds only overhead (about 80 us a batch here), so
+    the batches are fetched directly; both ways run the same _Fetch, so the tensors are equal.
+    """
+    opts = spec.loader
+    if opts.num_workers == 0 and not opts.pin_memory:
+        fetch = _Fetch(spec.train if split == "train" else spec.test, _pad(opts, split))
+        yield from (fetch.__getitems__(k) for k in keys)
+        return
+    loader = _loader(spec, split, rank, world)
+    loader.batch_sampler.keys = keys
+    try:
+        yield from loader
+    except UsageError as e:
+        # DataLoader folds a worker's traceback into the message; the user needs our last line.
+        last = str(e).strip().splitlines()[-1]
+        raise UsageError(last.split("UsageError: ", 1)[-1]) from None
+
+
+def _pad(opts: LoaderOptions, split: str) -> int | None:
+    return opts.crop_padding if opts.augment and split == "train" else None
+
+
+def _to_device(x: torch.Tensor, y: torch.Tensor, opts: LoaderOptions):
+    # Pinned host memory lets the copy overlap with compute; uint8 pixels cross as uint8.
+    return (
+        x.to(opts.device, non_blocking=opts.pin_memory),
+        y.to(opts.device, non_blocking=opts.pin_memory),
+    )
+
+
+class _Keys:
+    """The DataLoader's batch sampler: this pass's (seed, epoch, indices), set before each pass.
+
+    The keys are read in the main process when a pass starts, so one DataLoader (and its
+    persistent workers) serves every epoch.
+    """
+
+    def __init__(self) -> None:
+        self.keys: list = []
+
+    def __iter__(self):
+        return iter(self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class _Fetch(torch.utils.data.Dataset):
+    """Runs in the loader (a worker or the main process): gather or decode, then augment."""
+
+    def __init__(self, data: Split, pad: int | None):
+        self.data, self.pad = data, pad
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitems__(self, key):
+        seed, epoch, idx = key
+        x, y = self.data.take(idx)
+        if self.pad is not None and epoch is not None:
+            x = crop_flip(
+                x, torch.from_numpy(np.asarray(idx, dtype=np.int64)), seed, epoch, self.pad
+            )
+        return x, y
+
+
+def _whole_batch(batch):
+    return batch  # _Fetch already returns the batch as tensors
+
+
+def _loader(spec: DataSpec, split: str, rank: int, world: int) -> torch.utils.data.DataLoader:
+    key = (split, rank, world)
+    if key not in spec._loaders:
+        opts = spec.loader
+        data = spec.train if split == "train" else spec.test
+        spec._loaders[key] = torch.utils.data.DataLoader(
+            _Fetch(data, _pad(opts, split)),
+            batch_sampler=_Keys(),
+            collate_fn=_whole_batch,
+            num_workers=opts.num_workers,
+            pin_memory=opts.pin_memory,
+            persistent_workers=opts.persistent_workers,
+        )
+    return spec._loaders[key]

@@ -162,15 +162,30 @@ def _first_line(e: BaseException) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+# gloo reports a vanished peer as a plain RuntimeError from its TCP transport, not a DistError.
+_PEER_LOST = (
+    "gloo/transport",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+)
+
+
+def is_peer_failure(e: BaseException) -> bool:
+    import torch.distributed as dist
+
+    if isinstance(e, dist.DistError):
+        return True
+    return isinstance(e, RuntimeError) and any(marker in str(e) for marker in _PEER_LOST)
+
+
 @contextlib.contextmanager
 def peer_failures_are_retryable(denv: DistEnv, timeout_s: int):
     """Turn a lost peer or a timed-out collective into RetryableError (exit 4, one line)."""
-    import torch.distributed as dist
-
     try:
         yield
-    except dist.DistError as e:
-        if not denv.distributed:
+    except (RuntimeError, OSError) as e:
+        if not denv.distributed or not is_peer_failure(e):
             raise
         raise RetryableError(
             f"rank {denv.rank}: a collective failed or exceeded dist.timeout_s={timeout_s} "

@@ -137,24 +137,31 @@ class TrainStep:
 
 @torch.inference_mode()
 def evaluate(model, spec: data.DataSpec, denv: DistEnv, device: str, batch: int) -> dict:
-    """Loss (and accuracy) over the whole test split, each sample counted once across ranks."""
+    """Loss and accuracy (classification) or MSE and MAE (regression, in the target's own
+    units) over the whole test split, each sample counted once across ranks."""
     net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
     was_training = net.training
     net.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    # loss sum, correct (classification) or absolute-error sum (regression), count
+    totals = torch.zeros(3, dtype=torch.float64, device=device)
     for x, y in data.eval_batches(spec, batch, denv.rank, denv.world_size):
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         out = net(x)
         totals[0] += loss_sum(spec.task, out, y).double()
         if spec.task == "classification":
             totals[1] += (out.argmax(dim=1) == y).sum()
+        else:
+            totals[1] += (out - y.reshape(out.shape).to(out.dtype)).abs().sum().double()
         totals[2] += len(y)
     all_reduce_sum(totals)
     net.train(was_training)
-    loss_total, correct, count = totals.tolist()
+    loss_total, second, count = totals.tolist()
     result = {"loss": loss_total / count, "count": int(count)}
     if spec.task == "classification":
-        result["accuracy"] = correct / count
+        result["accuracy"] = second / count
+    else:  # the loss is the MSE of standardised targets; report both in the target's units
+        result["mse"] = loss_total / count * spec.target_scale**2
+        result["mae"] = second / count * spec.target_scale
     return result
 
 

@@ -11,12 +11,20 @@ from collections.abc import Callable
 from trainer.errors import UsageError, check_choice
 
 DATASETS: dict[str, str] = {
-    "digits": "trainer.data:digits",
+    "digits": "trainer.datasets.tabular:digits",
+    "diabetes": "trainer.datasets.tabular:diabetes",
+    "mnist": "trainer.datasets.vision:mnist",
+    "fashion_mnist": "trainer.datasets.vision:fashion_mnist",
+    "cifar10": "trainer.datasets.vision:cifar10",
+    "imagefolder": "trainer.datasets.folder:imagefolder",
+    "synthetic": "trainer.datasets.synthetic:synthetic",
 }
 
 MODELS: dict[str, str] = {
     "mlp": "trainer.models:mlp",
     "lenet": "trainer.models:lenet",
+    "resnet18": "trainer.models:resnet18",
+    "vgg11": "trainer.models:vgg11",
 }
 
 _TABLES = {"data.name": DATASETS, "model.name": MODELS}

@@ -20,14 +20,36 @@ def resolve(strategy: str, denv: DistEnv) -> str:
     return strategy
 
 
-def wrap(model: nn.Module, strategy: str, denv: DistEnv, device: str) -> nn.Module:
+def wrap(
+    model: nn.Module, strategy: str, denv: DistEnv, device: str, sync_bn: bool = False
+) -> nn.Module:
     if strategy == "ddp" and denv.distributed:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        if sync_bn:
+            model = convert_sync_bn(model, device)
         ids = [int(device.split(":")[1])] if device.startswith("cuda") else None
         # DDP broadcasts rank 0's parameters at construction, so every rank starts identical.
         return DDP(model, device_ids=ids)
     return model
+
+
+def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:
+    """BatchNorm*d -> SyncBatchNorm: batch statistics over the whole global batch, not per rank.
+
+    torch implements SyncBatchNorm for GPUs only: on CPU both its forward and DDP's constructor
+    raise ValueError, so CPU gets a clear error here instead.
+    """
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if not has_bn:
+        return model
+    if not device.startswith("cuda"):
+        raise UsageError(
+            "model.sync_bn=true needs CUDA devices: torch's SyncBatchNorm does not run on CPU "
+            "(gloo); set model.sync_bn=false (each rank then normalises with its own slice's "
+            "statistics)"
+        )
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -65,7 +65,7 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
            started: float, dry_run: bool, stop: StopSignal) -> dict:  # fmt: skip
     say = print if denv.is_main else (lambda *_a, **_k: None)
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
-    spec = data.build(cfg.data, cfg.seed)
+    spec = data.build(cfg.data, cfg.seed, device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -76,7 +76,7 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
     scaler = loop.make_scaler(cfg.train, device)
     ckpt = Checkpointer(cfg, denv, device, model, optimizer, scheduler, scaler, info=say)
     state, results = ckpt.restore()
-    model = strategy.wrap(model, wrap_as, denv, device)
+    model = strategy.wrap(model, wrap_as, denv, device, sync_bn=cfg.model.sync_bn)
     if cfg.train.compile:
         model = torch.compile(model)  # after DDP: compiled graphs break at its bucket boundaries
     step = loop.TrainStep(
@@ -154,6 +154,9 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
         "checkpoint_failures": ckpt.failures,
         "precision": cfg.train.precision,
         "skipped_steps": dist.gather_objects(step.skipped_steps),  # fp16 overflow, per rank
+        "peak_gpu_memory_gib": (
+            torch.cuda.max_memory_allocated(device) / 2**30 if device.startswith("cuda") else None
+        ),
         "config": to_dict(cfg),
     }
     if denv.is_main:
@@ -163,6 +166,8 @@ def _train(cfg: Config, denv: dist.DistEnv, device: str, backend: str, wrap_as: 
         metrics.write_json(os.path.join(run_dir, "summary.json"), summary)
         ev = summary["eval"]
         acc = f", accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else ""
+        if "mae" in ev:
+            acc = f", MSE {ev['mse']:.4g}, MAE {ev['mae']:.4g}"
         say(
             f"done: {state.step} steps in {train_time:.1f} s "
             f"({summary['samples_per_s']:,.0f} samples/s) | test loss {ev['loss']:.4f}{acc} "

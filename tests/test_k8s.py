@@ -1,0 +1,415 @@
+"""k8s/: every overlay renders, validates offline (Kubernetes schemas; the upstream CRDs in
+../shared/schemas), runs restricted pods with the volumes the trainer needs, maps the trainer's exit
+codes as intended, and gives trainer-launch exactly the node environment it expects.
+
+Everything is read from the rendered manifests (tests/k8s.py), from trainer code (exit codes, the
+node env contract) and from docker/Dockerfile; nothing here repeats a manifest's value."""
+
+from __future__ import annotations
+
+import mmap
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import dockerfile
+from tests import k8s as kube
+from tests.helpers import ROOT, env
+from trainer import launch, nodeenv
+from trainer.errors import ExitCode
+from trainer.launch import Route, make_plan, split_command
+
+pytestmark = [
+    pytest.mark.k8s,
+    pytest.mark.skipif(kube.kubectl() is None, reason="needs kubectl (its built-in kustomize)"),
+]
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+GPU_OVERLAYS = ("gpu", "jobset", "kubeflow")
+JOB_OVERLAYS = ("cpu-smoke", "gpu")  # a plain Indexed Job
+needs_crds = pytest.mark.skipif(
+    not kube.CRDS.is_dir(), reason=f"needs the upstream CRD schemas in {kube.CRDS}"
+)
+
+
+def image(variant="cuda") -> dockerfile.Image:
+    return dockerfile.read(DOCKERFILE, {"VARIANT": variant})
+
+
+def test_every_overlay_is_here_and_renders():
+    assert set(kube.OVERLAYS) == {"cpu-smoke", *GPU_OVERLAYS}
+    for path in [kube.K8S / "base", *(kube.K8S / "overlays" / o for o in kube.OVERLAYS)]:
+        assert kube.render(path), path
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_core_objects_validate_against_the_kubernetes_schemas(overlay):
+    core = [o for o in kube.render(overlay) if kube.is_core(o)]
+    assert {"ConfigMap", "PersistentVolumeClaim", "NetworkPolicy"} <= {o["kind"] for o in core}
+    for obj in core:
+        assert kube.validate_core_object(obj) is None, (obj["kind"], kube.validate_core_object(obj))
+
+
+@needs_crds
+@pytest.mark.parametrize("overlay", ["jobset", "kubeflow"])
+def test_crd_objects_validate_against_the_upstream_crds(overlay):
+    custom = [o for o in kube.render(overlay) if not kube.is_core(o)]
+    assert len(custom) == 1
+    for obj in custom:
+        assert kube.crd_schema(obj) is not None, f"no CRD in {kube.CRDS} for {obj['apiVersion']}"
+        assert kube.validate_crd_object(obj) == []
+
+
+@needs_crds
+def test_the_validators_have_teeth():
+    job = kube.one(kube.render("gpu"), "Job")
+    job["spec"]["template"]["spec"]["containers"][0]["securityContext"]["readOnlyRootFS"] = True
+    assert "readOnlyRootFS" in kube.validate_core_object(job)
+    jobset = kube.one(kube.render("jobset"), "JobSet")
+    jobset["spec"]["network"]["enableDNSHostname"] = jobset["spec"]["network"].pop(
+        "enableDNSHostnames"
+    )
+    assert any("enableDNSHostname" in e for e in kube.validate_crd_object(jobset))
+    tj = kube.one(kube.render("kubeflow"), "TrainJob")
+    tj["spec"]["trainer"]["numProcPerNode"] = str(tj["spec"]["trainer"]["numProcPerNode"])
+    assert any("numProcPerNode" in e for e in kube.validate_crd_object(tj))
+
+
+# --- the pods ----------------------------------------------------------------------------------
+
+
+def _mounts(spec: dict, container: dict) -> dict[str, dict]:
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    return {m["mountPath"]: volumes[m["name"]] for m in container["volumeMounts"]}
+
+
+def _memory(q: str) -> int:
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+    return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_pods_meet_the_restricted_pod_security_profile(overlay):
+    objs = kube.render(overlay)
+    pod = kube.pods(objs)[0]
+    spec, c = pod.spec, pod.container
+    uid = int(image().user.split(":")[0])
+    psc, csc = spec["securityContext"], c["securityContext"]
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        assert not spec.get(key)
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] == uid != 0
+    assert psc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert csc["allowPrivilegeEscalation"] is False and not csc.get("privileged")
+    assert csc["capabilities"]["drop"] == ["ALL"] and not csc["capabilities"].get("add")
+    assert csc["readOnlyRootFilesystem"] is True
+    assert "runAsUser" not in csc and "runAsNonRoot" not in csc  # nothing overrides the pod's
+    allowed = {"configMap", "emptyDir", "persistentVolumeClaim", "projected", "secret", "csi",
+               "downwardAPI", "ephemeral"}  # fmt: skip
+    for v in spec["volumes"]:
+        assert set(v) - {"name"} <= allowed, v
+    assert not any(p.get("hostPort") for p in c.get("ports", []))
+    # No API token: on the pod, or (TrainJob: the runtime patch cannot say it) on its account.
+    if "automountServiceAccountToken" in spec:
+        assert spec["automountServiceAccountToken"] is False
+    else:
+        account = kube.one(objs, "ServiceAccount")
+        assert spec["serviceAccountName"] == account["metadata"]["name"]
+        assert account["automountServiceAccountToken"] is False
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_every_path_the_image_writes_is_a_volume(overlay):
+    """readOnlyRootFilesystem: HOME, the caches, /tmp, /dev/shm (Memory, bounded) and the runs
+    volume are mounted; the config file the args name is the mounted ConfigMap."""
+    objs = kube.render(overlay)
+    pod = kube.pods(objs)[0]
+    mounts = _mounts(pod.spec, pod.container)
+    img = image()
+    writable = {p for p, v in mounts.items() if "configMap" not in v}
+    for path in (img.env["HOME"], img.env["XDG_CACHE_HOME"], img.env["TORCHINDUCTOR_CACHE_DIR"],
+                 img.env["TRITON_CACHE_DIR"], "/tmp"):  # fmt: skip
+        assert any(path == w or path.startswith(w + "/") for w in writable), path
+    shm = mounts["/dev/shm"]["emptyDir"]
+    assert shm["medium"] == "Memory" and _memory(shm["sizeLimit"]) >= 2**28
+    limit = _memory(pod.container["resources"]["limits"]["memory"])
+    assert limit > _memory(shm["sizeLimit"])  # shm pages count against the memory limit
+    for path, volume in mounts.items():
+        if "emptyDir" in volume:
+            assert "sizeLimit" in volume["emptyDir"], path
+    # run_dir is relative to WORKDIR: runs/ is the shared claim, and it is ReadWriteMany
+    # (cpu-smoke: one test node, ReadWriteOnce, which every pod on that node can mount).
+    runs = mounts[f"{img.workdir}/runs"]["persistentVolumeClaim"]["claimName"]
+    claim = kube.one(objs, "PersistentVolumeClaim")
+    assert claim["metadata"]["name"] == runs
+    assert claim["spec"]["accessModes"] == (
+        ["ReadWriteOnce"] if overlay == "cpu-smoke" else ["ReadWriteMany"]
+    )
+    # --config names a file of the mounted, generated ConfigMap.
+    args = pod.argv(img.entrypoint, img.cmd)
+    config = Path(args[args.index("--config") + 1])
+    cm = mounts[str(config.parent)]["configMap"]["name"]
+    assert config.name in kube.one(objs, "ConfigMap")["data"]
+    assert cm == kube.one(objs, "ConfigMap")["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_the_grace_period_covers_torchruns_shutdown_timeout(overlay):
+    pod = kube.pods(kube.render(overlay))[0]
+    shutdown = int(pod.env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
+    assert shutdown >= 30 and pod.spec["terminationGracePeriodSeconds"] >= shutdown + 15
+
+
+@pytest.mark.parametrize("overlay", GPU_OVERLAYS)
+def test_gpu_limit_is_one_gpu_per_process(overlay):
+    pods = kube.pods(kube.render(overlay))
+    for pod in pods:
+        e = pod.env()
+        nproc = e.get("PET_NPROC_PER_NODE") or e["NPROC_PER_NODE"]
+        gpus = pod.container["resources"]["limits"]["nvidia.com/gpu"]
+        assert int(nproc) == int(gpus) > 0
+        assert "nvidia.com/gpu" not in pod.container["resources"].get("requests", {}) or (
+            pod.container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+        )
+    assert "nvidia.com/gpu" not in str(kube.pods(kube.render("cpu-smoke"))[0].container)
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_network_policy_admits_exactly_the_jobs_own_pods_on_every_tcp_port(overlay):
+    objs = kube.render(overlay)
+    policy = kube.one(objs, "NetworkPolicy")["spec"]
+    selector = policy["podSelector"]["matchLabels"]
+    assert set(policy) == {"podSelector", "policyTypes", "ingress"}
+    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
+    (rule,) = policy["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]  # same namespace, same job
+    assert rule["ports"] == [{"protocol": "TCP"}]  # no port: all of them (NCCL/gloo pick at random)
+    # The selector names THIS workload's identity label, which its controller sets on its pods.
+    workload = next(o for o in objs if o["kind"] in ("Job", "JobSet", "TrainJob"))
+    label = kube.JOB_NAME if workload["kind"] == "Job" else kube.JOBSET_NAME
+    assert selector == {label: workload["metadata"]["name"]}
+    for pod in kube.pods(objs):
+        assert selector.items() <= pod.labels.items()
+    if workload["kind"] == "Job":  # the headless Service selects the same pods
+        service = kube.one(objs, "Service")["spec"]
+        assert service["selector"] == selector and service["clusterIP"] == "None"
+        assert service["publishNotReadyAddresses"] is True
+
+
+# --- exit codes -> Kubernetes' actions ---------------------------------------------------------
+
+# What each trainer exit code should do. Indexed Job: a config error fails the Job, a signalled
+# (preempted) pod is not counted, a transient failure counts (backoffLimit 0: the Job fails).
+# JobSet: every failure fails the child Job, then the JobSet's rules decide.
+JOB_ACTIONS = {ExitCode.ERROR: "Count", ExitCode.USAGE: "FailJob", ExitCode.PREEMPTED: "Ignore",
+               ExitCode.RETRYABLE: "Count", "DisruptionTarget": "Ignore", 137: "Count"}  # fmt: skip
+JOBSET_ACTIONS = {ExitCode.ERROR: "RestartJobSet", ExitCode.USAGE: "FailJobSet",
+                  ExitCode.PREEMPTED: "RestartJobSetAndIgnoreMaxRestarts",
+                  ExitCode.RETRYABLE: "RestartJobSet",
+                  "DisruptionTarget": "RestartJobSetAndIgnoreMaxRestarts",
+                  137: "RestartJobSet"}  # fmt: skip
+
+
+def pod_failure_action(job: dict, container: str, failure) -> tuple[str, int | None]:
+    """The Job controller's podFailurePolicy: the first matching rule's action (else Count) and
+    the index of that rule (pkg/controller/job/pod_failure_policy.go)."""
+    for i, rule in enumerate(job.get("podFailurePolicy", {}).get("rules", [])):
+        if "onExitCodes" in rule and isinstance(failure, int):
+            on = rule["onExitCodes"]
+            if on.get("containerName", container) != container:
+                continue
+            hit = failure in on["values"]
+            if hit == (on["operator"] == "In"):
+                return rule["action"], i
+        for cond in rule.get("onPodConditions", []):
+            if failure == cond["type"] and cond.get("status", "True") == "True":
+                return rule["action"], i
+    return "Count", None
+
+
+def job_failure(job: dict, container: str, failure) -> tuple[str, str] | None:
+    """(reason, message) the child Job fails with after one pod's failure, or None if it goes on.
+    The message is the Job controller's own format for a FailJob rule."""
+    action, index = pod_failure_action(job, container, failure)
+    if action == "FailJob":
+        if isinstance(failure, int):
+            return ("PodFailurePolicy", f"Container {container} for pod ns/pod-0 failed with exit "
+                    f"code {failure} matching FailJob rule at index {index}")  # fmt: skip
+        return (
+            "PodFailurePolicy",
+            f"Pod ns/pod-0 has condition {failure} matching FailJob rule at index {index}",
+        )
+    if action == "Count" and job.get("backoffLimit", 6) == 0:
+        return "BackoffLimitExceeded", "Job has reached the specified backoff limit"
+    return None
+
+
+def jobset_action(jobset: dict, reason: str, message: str) -> str:
+    """The JobSet controller's failurePolicy: the first rule matching reason and message."""
+    for rule in jobset["spec"].get("failurePolicy", {}).get("rules", []):
+        reasons, patterns = (
+            rule.get("onJobFailureReasons", []),
+            rule.get("onJobFailureMessagePatterns", []),
+        )
+        if (not reasons or reason in reasons) and (
+            not patterns or any(re.search(p, message) for p in patterns)
+        ):
+            return rule["action"]
+    return "RestartJobSet"
+
+
+def test_every_exit_code_has_a_decided_action():
+    assert set(JOB_ACTIONS) >= {c for c in ExitCode if c != ExitCode.OK}
+    assert set(JOBSET_ACTIONS) >= {c for c in ExitCode if c != ExitCode.OK}
+
+
+@pytest.mark.parametrize("overlay", JOB_OVERLAYS)
+def test_indexed_job_maps_the_trainers_exit_codes(overlay):
+    pod = kube.pods(kube.render(overlay))[0]
+    job = kube.one(kube.render(overlay), "Job")["spec"]
+    assert job["backoffLimit"] == 0 and pod.spec["restartPolicy"] == "Never"
+    for failure, want in JOB_ACTIONS.items():
+        assert pod_failure_action(job, pod.container["name"], failure)[0] == want, failure
+    # Every rule names the training container: a sidecar's exit code must not fail the job.
+    for rule in job["podFailurePolicy"]["rules"]:
+        if "onExitCodes" in rule:
+            assert rule["onExitCodes"]["containerName"] == pod.container["name"]
+
+
+def test_jobset_restarts_the_whole_group_except_after_a_config_error():
+    jobset = kube.one(kube.render("jobset"), "JobSet")
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    job, container = rjob["template"]["spec"], kube.pods(kube.render("jobset"))[0].container["name"]
+    assert rjob["replicas"] == 1  # one Job: every pod shares its name and uid
+    assert job["backoffLimit"] == 0 and jobset["spec"]["failurePolicy"]["maxRestarts"] >= 1
+    for failure, want in JOBSET_ACTIONS.items():
+        failed = job_failure(job, container, failure)
+        assert failed is not None, f"{failure} must fail the child Job so the group restarts"
+        assert jobset_action(jobset, *failed) == want, failure
+    # A 2x code (20-29) is not a config error.
+    assert jobset_action(jobset, *job_failure(job, container, 25)) == "RestartJobSet"
+
+
+# --- the environment trainer-launch gets -------------------------------------------------------
+
+
+def launch_env_names() -> set[str]:
+    """The variables trainer-launch documents that it reads (its --help)."""
+    section = launch.USAGE.split("environment", 1)[1].split("exit codes", 1)[0]
+    return set(re.findall(r"\b[A-Z][A-Z0-9_]{2,}\b", section))
+
+
+@pytest.fixture(scope="module")
+def torch_and_nccl_text():
+    import torch
+
+    folder = Path(torch.__file__).parent
+    text = "".join(p.read_text(errors="ignore") for p in (folder / "distributed").rglob("*.py"))
+    text += "".join(
+        p.read_text(errors="ignore") for p in (folder / "include").rglob("ProcessGroupNCCL.hpp")
+    )
+    nccl = sorted(Path(sys.prefix).glob("lib/python*/site-packages/nvidia/nccl/lib/libnccl.so*"))
+    return text, nccl[0] if nccl else None
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_every_variable_is_one_that_something_reads(overlay, torch_and_nccl_text):
+    torch_text, libnccl = torch_and_nccl_text
+    names = launch_env_names()
+    assert {"NNODES", "MASTER_ADDR", "RDZV_JOIN_TIMEOUT", "POD_IP"} <= names  # the parse works
+    for var in kube.pods(kube.render(overlay))[0].container["env"]:
+        name = var["name"]
+        if name in names or name == "OMP_NUM_THREADS":
+            continue
+        if name.startswith("TORCH_"):
+            assert name in torch_text, f"{name}: torch does not read it"
+        elif name.startswith("NCCL_"):
+            if libnccl is None:
+                continue
+            with open(libnccl, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                assert m.find(name.encode() + b"\0") >= 0, f"{name}: NCCL does not read it"
+        else:
+            pytest.fail(
+                f"{overlay}: {name} is read by nothing (trainer-launch reads {sorted(names)})"
+            )
+
+
+def flags(plan) -> dict[str, str]:
+    out = {}
+    for a in plan.argv[3:]:
+        if not a.startswith("--"):
+            break
+        name, _, value = a[2:].partition("=")
+        out[name] = value
+    return out
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_each_pods_env_becomes_the_right_torchrun_command(overlay):
+    """Every pod (its completion index, pod IP and labels filled in as the controllers would) gets
+    the same job shape and rendezvous, rank 0 alone hosts it, at pod 0's DNS name."""
+    img = image()
+    pods = kube.pods(kube.render(overlay))
+    plans = []
+    for pod in pods:
+        e = pod.env()
+        gpus = int(pod.container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
+        args = pod.argv(img.entrypoint, img.cmd)
+        assert args[0] == "trainer-launch"
+        plan = make_plan(e, split_command(args[1:], e), gpus=gpus, cpus=2, python="python",
+                         probe=lambda node, env: Route(env["POD_IP"], "eth0"))  # fmt: skip
+        plans.append(plan)
+        f = flags(plan)
+        conf = dict(kv.split("=", 1) for kv in f["rdzv-conf"].split(","))
+        assert f["nnodes"] == str(len(pods)) and int(f["nproc-per-node"]) == (gpus or 1)
+        assert conf["is_host"] == ("1" if pod.index == 0 else "0")
+        port = e.get("PET_MASTER_PORT") or e["MASTER_PORT"]
+        assert f["rdzv-endpoint"] == f"{pods[0].dns_name}:{port}"
+        assert f["local-addr"] == pod.ip
+        assert f["rdzv-id"] == e["RDZV_ID"] == kube.POD_UID  # the Job's uid, not a pod's value
+        assert conf["join_timeout"] == e["RDZV_JOIN_TIMEOUT"] != str(nodeenv.DEFAULT_JOIN_TIMEOUT_S)
+        assert f["max-restarts"] == e["MAX_RESTARTS"]
+        tail = ("-m", "trainer", "train", *split_command([], e).trainer_args[1:], *args[1:])
+        assert plan.argv[-len(tail) :] == tail  # the manifest's arguments reach every rank
+        assert plan.env.get("NCCL_SOCKET_IFNAME") in (None, "eth0")  # a manifest's value wins
+    assert len({flags(p)["rdzv-id"] for p in plans}) == 1
+    assert len({flags(p)["rdzv-endpoint"] for p in plans}) == 1
+
+
+def test_trainer_launch_dry_run_with_a_cpu_smoke_pods_env(tmp_path):
+    """The real CLI, not just the pure function: pod 1 of cpu-smoke, its config file mounted."""
+    objs = kube.render("cpu-smoke")
+    pod = kube.pods(objs)[1]
+    img = image("cpu")
+    args = pod.argv(img.entrypoint, img.cmd)
+    config = args[args.index("--config") + 1]
+    (tmp_path / "config").mkdir()
+    for name, text in kube.one(objs, "ConfigMap")["data"].items():
+        (tmp_path / "config" / name).write_text(text)
+    mounts = {str(Path(config).parent): tmp_path / "config"}
+    argv = [kube.on_this_machine(a, mounts) for a in args]
+    p = subprocess.run([str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
+                       env={**env(), **pod.env()}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert f"--rdzv-endpoint={kube.pods(objs)[0].dns_name}:" in p.stdout
+    assert "is_host=0" in p.stdout and f"--local-addr={pod.ip}" in p.stdout
+    assert "this is node 1" in p.stdout
+
+
+def test_make_k8s_render_writes_every_overlay_and_k8s_apply_refuses_a_bad_overlay(tmp_path):
+    p = subprocess.run(["make", "-s", "k8s-render", f"K8S_OUT={tmp_path}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 0, p.stderr
+    assert sorted(f.stem for f in tmp_path.glob("*.yaml")) == kube.OVERLAYS
+    for overlay in kube.OVERLAYS:
+        import yaml
+
+        written = [o for o in yaml.safe_load_all((tmp_path / f"{overlay}.yaml").read_text()) if o]
+        assert written == kube.render(overlay)
+    for bad in ("", "nope"):
+        p = subprocess.run(["make", "-s", "k8s-apply", f"OVERLAY={bad}"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert p.returncode == 2
+        first = p.stderr.splitlines()[0]
+        assert all(o in first for o in kube.OVERLAYS) and f"'{bad}'" in first

@@ -1,0 +1,133 @@
+"""Image folders: data.root/train/<class>/*.png|jpg and data.root/val/<class>/..., decoded lazily.
+
+Classes are the train folder's sub-folder names, sorted (torchvision's ImageFolder convention),
+so class indices do not depend on the file system's listing order. Each image is decoded when a
+batch asks for it (in DataLoader workers with data.num_workers > 0), converted to RGB, resized
+on its shorter side and centre-cropped to data.image_size, and kept as uint8 until the batch is
+on the device.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from trainer.config import DataConfig
+from trainer.data import DataSpec
+from trainer.datasets.vision import MOUNT_HINT
+from trainer.errors import UsageError
+
+EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class FolderDataset(torch.utils.data.Dataset):
+    """Image files and their class indices; `take` decodes a batch of them."""
+
+    lazy = True
+
+    def __init__(
+        self,
+        files: list[str],
+        labels: list[int],
+        size: int,
+        mean: tuple[float, ...] | None,
+        std: tuple[float, ...] | None,
+    ):
+        self.files, self.labels, self.size = files, labels, size
+        self.y = torch.tensor(labels, dtype=torch.int64)
+        self.mean = None if mean is None else torch.tensor(mean)
+        self.std = None if std is None else torch.tensor(std)
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def decode(self, i: int) -> torch.Tensor:
+        """One image as uint8 (3, size, size)."""
+        from PIL import Image, ImageOps, UnidentifiedImageError
+
+        path = self.files[i]
+        try:
+            with Image.open(path) as img:
+                img = ImageOps.fit(
+                    img.convert("RGB"), (self.size, self.size), Image.Resampling.BILINEAR
+                )
+                hwc = np.asarray(img, dtype=np.uint8)
+        except (UnidentifiedImageError, OSError) as e:
+            raise UsageError(
+                f"data.name=imagefolder: cannot decode {path} ({type(e).__name__}): "
+                "remove or replace the file"
+            ) from None
+        return torch.from_numpy(hwc.copy()).permute(2, 0, 1)
+
+    def __getitem__(self, i: int):
+        return self.decode(i), self.y[i]
+
+    def take(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = np.asarray(idx, dtype=np.int64)
+        if len(idx) == 0:  # an empty rank share still has the batch's shape
+            return torch.empty((0, 3, self.size, self.size), dtype=torch.uint8), self.y[:0]
+        x = torch.stack([self.decode(int(i)) for i in idx])
+        return x, self.y[torch.from_numpy(idx)]
+
+
+def scan(
+    split_dir: str, classes: list[str] | None = None
+) -> tuple[list[str], list[str], list[int]]:
+    """(classes, files, labels) of one split; with `classes` given, sub-folders must be among them."""
+    found = sorted(e.name for e in os.scandir(split_dir) if e.is_dir())
+    if classes is None:
+        classes = found
+    else:
+        extra = [c for c in found if c not in classes]
+        if extra:
+            raise UsageError(
+                f"data.name=imagefolder: {split_dir} has classes {', '.join(extra)} that "
+                f"{os.path.join(os.path.dirname(split_dir), 'train')} lacks: the val classes must "
+                "be train classes (same folder names)"
+            )
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        folder = os.path.join(split_dir, name)
+        if not os.path.isdir(folder):
+            continue
+        for root, _, names in sorted(os.walk(folder, followlinks=True)):
+            for f in sorted(names):
+                if f.lower().endswith(EXTENSIONS):
+                    files.append(os.path.join(root, f))
+                    labels.append(label)
+    return classes, files, labels
+
+
+def imagefolder(cfg: DataConfig, seed: int) -> DataSpec:
+    """Your own images: data.root/train/<class>/*.png|jpg and data.root/val/<class>/*."""
+    layout = (
+        f"put images in {cfg.root}/train/<class>/*.png|jpg and {cfg.root}/val/<class>/*.png|jpg "
+        f"(one sub-folder per class, the same names in both). {MOUNT_HINT}"
+    )
+    train_dir, val_dir = os.path.join(cfg.root, "train"), os.path.join(cfg.root, "val")
+    absent = [d for d in (train_dir, val_dir) if not os.path.isdir(d)]
+    if absent:
+        raise UsageError(f"data.name=imagefolder: {' and '.join(absent)} not found: {layout}")
+    classes, train_files, train_labels = scan(train_dir)
+    if len(classes) < 2 or not train_files:
+        raise UsageError(
+            f"data.name=imagefolder: {train_dir} needs at least 2 class sub-folders with "
+            f"images ({', '.join(EXTENSIONS)}), found {len(classes)} classes and "
+            f"{len(train_files)} images: {layout}"
+        )
+    _, val_files, val_labels = scan(val_dir, classes)
+    if not val_files:
+        raise UsageError(f"data.name=imagefolder: no images under {val_dir}: {layout}")
+    stats = (IMAGENET_MEAN, IMAGENET_STD) if cfg.normalize else (None, None)
+    size = cfg.image_size
+    return DataSpec(
+        train=FolderDataset(train_files, train_labels, size, *stats),
+        test=FolderDataset(val_files, val_labels, size, *stats),
+        task="classification",
+        in_shape=(3, size, size),
+        num_classes=len(classes),
+    )
