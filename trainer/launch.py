@@ -4,6 +4,7 @@
     trainer-launch --config digits-lenet optim.lr=0.01
     trainer-launch --dry-run                # print the command and the env it adds; run nothing
     trainer-launch -- python my_script.py   # any torchrun script: the image serves foreign code
+    trainer-launch bash -c '...'            # any other command runs as is (`docker run IMAGE CMD`)
 
 The node's shape comes from the environment (trainer.nodeenv has the contract and precedence).
 `make_plan` is a pure function of (environment, command, GPU and CPU counts, a route probe); `main`
@@ -40,6 +41,9 @@ class Command:
 
     trainer_args: tuple[str, ...] = ()
     foreign: tuple[str, ...] = ()
+    as_is: bool = False
+    """foreign is a whole command to run once, as given, without torchrun: what `docker run IMAGE
+    CMD ...` appends to the entrypoint (TorchX's local_docker passes `bash -c "torchrun ..."`)."""
 
     @property
     def is_trainer(self) -> bool:
@@ -47,12 +51,16 @@ class Command:
 
     @property
     def distributed(self) -> bool:
+        if self.as_is:
+            return False
         return bool(self.foreign) or self.trainer_args[0] in DISTRIBUTED_COMMANDS
 
     def direct_argv(self, python: str) -> list[str]:
         """The command to run in this very process (no torchrun)."""
         if self.is_trainer:
             return [python, "-m", "trainer", *self.trainer_args]
+        if self.as_is:
+            return list(self.foreign)
         if self.foreign[0].endswith(".py"):
             return [python, *self.foreign]
         return list(self.foreign)
@@ -104,6 +112,8 @@ def split_command(args: Sequence[str], env: Mapping[str, str]) -> Command:
     `-- CMD ...` is foreign code. Otherwise the arguments go to `trainer`: a leading bare word is
     its subcommand (train's own arguments are options or key=value overrides), else `train`.
     For train, TRAIN_ARGS (a shell-quoted string) goes first, so command-line overrides win.
+    A leading bare word that is no trainer subcommand but an executable on env's PATH (`bash`,
+    `torchrun`, ...) is a command to run as is, the docker-entrypoint convention.
     """
     args = list(args)
     if args and args[0] == "--":
@@ -114,6 +124,8 @@ def split_command(args: Sequence[str], env: Mapping[str, str]) -> Command:
         return Command(foreign=tuple(args[1:]))
     if args and not args[0].startswith("-") and "=" not in args[0]:
         sub, rest = args[0], args[1:]
+        if sub not in trainer_commands() and _on_path(sub, env):
+            return Command(foreign=tuple(args), as_is=True)
     else:
         sub, rest = "train", args
     extra: list[str] = []
@@ -123,6 +135,24 @@ def split_command(args: Sequence[str], env: Mapping[str, str]) -> Command:
         except ValueError as e:
             raise UsageError(f"TRAIN_ARGS: cannot split it like a shell would ({e})") from None
     return Command(trainer_args=(sub, *extra, *rest))
+
+
+def trainer_commands() -> tuple[str, ...]:
+    """The `trainer` subcommands, read from its own parser (trainer.cli imports no torch)."""
+    import argparse
+
+    from trainer import cli
+
+    for action in cli.build_parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return tuple(action.choices)
+    return ()
+
+
+def _on_path(name: str, env: Mapping[str, str]) -> bool:
+    import shutil
+
+    return shutil.which(name, path=env.get("PATH") or os.defpath) is not None
 
 
 def make_plan(
@@ -149,7 +179,9 @@ def make_plan(
             env={},
             unset=(),
             child=False,
-            summary=f"`trainer {command.trainer_args[0]}` runs once, without torchrun",
+            summary=f"`{command.foreign[0]}` is no trainer subcommand: running it as is"
+            if command.as_is
+            else f"`trainer {command.trainer_args[0]}` runs once, without torchrun",
         )
     node = read_node(env, gpus=gpus, cpus=cpus)
     unset = tuple(v for v in CONSUMED_PET if v in env)
@@ -329,13 +361,15 @@ def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
     return node_exit_code(status_dir, fallback, signalled=signalled is not None)
 
 
-USAGE = """usage: trainer-launch [--dry-run] [TRAINER_ARGS ... | -- COMMAND ...]
+USAGE = """usage: trainer-launch [--dry-run] [TRAINER_ARGS ... | -- COMMAND ... | COMMAND ...]
 
 Launch this node's part of a training job with torchrun, configured from the environment
 (compose, Kubernetes Indexed Job/JobSet, Kubeflow PyTorchJob/TrainJob, TorchX).
 
   TRAINER_ARGS   passed to `trainer` (default subcommand: train), after $TRAIN_ARGS
   -- COMMAND     launch any torchrun script instead, e.g. -- python my_script.py --lr 0.1
+  COMMAND        any other executable (bash, torchrun, ...) runs as is, once, without torchrun
+                 (`docker run IMAGE bash`; TorchX's local_docker starts its torchrun this way)
   --dry-run      print the command and the environment it would add, then exit
   -h, --help     show this help
 
