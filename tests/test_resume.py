@@ -123,14 +123,14 @@ def test_a_signal_during_setup_exits_3_without_a_traceback(tmp_path):
 
 def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
-    proc = spawn("train", *BASE, "model.kwargs.delay=6", f"run_dir={run_dir}")  # 6 s per step
+    proc = spawn("train", *BASE, "model.kwargs.delay=8", f"run_dir={run_dir}")  # 8 s per step
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and read_jsonl(metrics), 120, "the first step", proc)
     proc.send_signal(signal.SIGTERM)  # lands in step 2: honoured at its end, seconds away
     import time
 
-    time.sleep(2.5)  # past the debounce window: a deliberate second signal
+    time.sleep(3.5)  # well past the 1 s debounce window, even if the first handler ran late
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=3)  # well before step 2 ends, 6 s after it began
+    proc.communicate(timeout=3)  # well before step 2 ends, 8 s after it began
     assert proc.returncode == -signal.SIGTERM
     assert checkpoints(run_dir) == []

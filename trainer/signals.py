@@ -19,7 +19,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class StopSignal:
     """Context manager that turns the first SIGTERM/SIGINT into a stop request."""
 
-    def __init__(self, debounce_s: float = 2.0):
+    def __init__(self, debounce_s: float = 1.0):
         self.debounce_s = debounce_s
         self.signum: int | None = None
         self._first_at = 0.0
