@@ -202,3 +202,13 @@ def test_gzip_fixture_really_is_gzip(tmp_path):
     fakes.mnist_folder(tmp_path, "MNIST", gz=True, n_train=4, n_test=2)
     raw = tmp_path / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
     assert gzip.decompress(raw.read_bytes())[:4] == b"\x00\x00\x08\x01"
+
+
+def test_digits_read_from_the_shipped_csv_equal_sklearns_loader():
+    from sklearn.datasets import load_digits as reference
+
+    from trainer.datasets.tabular import load_digits
+
+    x, y = load_digits()
+    rx, ry = reference(return_X_y=True)
+    assert x.shape == (1797, 64) and (x == rx).all() and (y == ry).all()
