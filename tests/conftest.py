@@ -23,14 +23,18 @@ def reference_runs(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests skip themselves where CUDA is absent (CI, laptops)."""
-    if not any("gpu" in item.keywords for item in items):
+    """GPU-marked tests skip themselves where CUDA is absent (CI, laptops).
+
+    The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
+    parametrized over the `gpu` k8s overlay would be skipped too.
+    """
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
         return
     import torch
 
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+    for item in gpu_items:
+        item.add_marker(skip)

@@ -413,3 +413,11 @@ def test_make_k8s_render_writes_every_overlay_and_k8s_apply_refuses_a_bad_overla
         assert p.returncode == 2
         first = p.stderr.splitlines()[0]
         assert all(o in first for o in kube.OVERLAYS) and f"'{bad}'" in first
+
+
+def test_the_gpu_overlay_checks_run_without_a_gpu(request):
+    """The manifest checks are CPU work: the `gpu` parametrize id must not read as the gpu marker."""
+    session = request.session
+    gpu_overlay = [i for i in session.items if i.module is request.module and "[gpu]" in i.name]
+    assert gpu_overlay, "no test here is parametrized over the gpu overlay"
+    assert not any(i.get_closest_marker("skip") for i in gpu_overlay), [i.name for i in gpu_overlay]
