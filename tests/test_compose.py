@@ -124,6 +124,19 @@ def test_cpu_and_two_node_profiles():
     assert n0["MASTER_PORT"] == n1["MASTER_PORT"]
 
 
+def test_the_missing_data_hint_names_where_compose_mounts_data():
+    """The one-line error a user gets without data must describe this compose.yaml and image."""
+    from trainer.config import DataConfig
+    from trainer.datasets.vision import MOUNT_HINT
+
+    s = compose_config()["services"]["trainer"]
+    data = next(v for v in s["volumes"] if v["read_only"] and v["target"].endswith("/data"))
+    workdir = dockerfile.read(DOCKERFILE, {"VARIANT": "cuda"}).workdir
+    assert f"mounted read-only at {data['target']} " in MOUNT_HINT
+    assert f"{workdir}/{DataConfig.root}" == data["target"]  # the default data.root finds it
+    assert f"data.root={DataConfig.root}" in MOUNT_HINT
+
+
 def test_tensorboard_reads_the_runs_volume_on_localhost_only():
     s = compose_config("tensorboard")["services"]["tensorboard"]
     assert s["entrypoint"] == ["tensorboard"] and "/workspace/runs" in s["command"]

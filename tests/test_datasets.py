@@ -43,7 +43,7 @@ def test_a_missing_folder_says_what_to_put_where_and_how_to_mount_it(tmp_path):
         f"{tmp_path}/nowhere/FashionMNIST/raw/ lacks train-images-idx3-ubyte, "
         "train-labels-idx1-ubyte, t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte",
         "data.download=true",
-        "mounted read-only at /data",
+        "mounted read-only at /workspace/data",
         "PVC or hostPath",
     ):
         assert fragment in msg

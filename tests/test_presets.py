@@ -116,5 +116,5 @@ def test_on_disk_presets_without_data_fail_in_one_line(tmp_path, preset, fragmen
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainer: error: data.name=")
-    assert fragment in lines[0] and "mounted read-only at /data" in lines[0]
+    assert fragment in lines[0] and "mounted read-only at /workspace/data" in lines[0]
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()

@@ -21,8 +21,8 @@ from trainer.data import ArrayDataset, DataSpec
 from trainer.errors import RetryableError, UsageError
 
 MOUNT_HINT = (
-    "docker compose: put them under ./data, mounted read-only at /data (data.root=/data); "
-    "Kubernetes: mount a PVC or hostPath volume at data.root"
+    "docker compose: put them under ./data (or DATA_DIR=...), mounted read-only at /workspace/data "
+    "(the default data.root=data); Kubernetes: mount a PVC or hostPath volume at data.root"
 )
 
 
