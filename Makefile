@@ -7,6 +7,7 @@ PYTHON ?= python3
 BIN    := $(VENV)/bin
 EXTRAS ?= dev
 NPROC  ?= 2
+DEVICE ?= cpu
 ARGS   ?=
 STAMP  := $(shell date +%Y%m%d-%H%M%S)
 RUN_DIR ?= runs/local-$(STAMP)
@@ -29,7 +30,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local test lint format bench lock clean tensorboard image compose-up \
+.PHONY: help setup run-local test test-quick lint format bench lock clean tensorboard image compose-up \
 	k8s-render k8s-apply
 
 help:  ## list the targets
@@ -44,12 +45,15 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	@touch $@
 
 run-local: setup  ## train the default config with 2 CPU processes (torchrun, gloo); ARGS="key=value ..."
-	@$(BIN)/trainer config check run_dir=$(RUN_DIR) $(ARGS) >/dev/null
+	@$(BIN)/trainer config check --world-size=$(NPROC) dist.device=$(DEVICE) run_dir=$(RUN_DIR) $(ARGS) >/dev/null
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
-		-m trainer train run_dir=$(RUN_DIR) $(ARGS)
+		-m trainer train dist.device=$(DEVICE) run_dir=$(RUN_DIR) $(ARGS)
 
-test: setup  ## the whole test suite
+test: setup  ## the whole test suite (what CI runs)
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+test-quick: setup  ## the suite without the tests marked slow (a few minutes: the edit-test loop)
+	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose.yaml, k8s/) and Docker Compose
 	$(BIN)/ruff check trainer tests $(wildcard bench)

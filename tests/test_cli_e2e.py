@@ -12,6 +12,7 @@ from trainer.metrics import RunLogger
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.slow
 def test_make_run_local_trains_with_two_ranks_and_names_the_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     p = subprocess.run(
@@ -32,11 +33,22 @@ def test_make_run_local_trains_with_two_ranks_and_names_the_run_dir(tmp_path):
     assert f"run dir: {run_dir}" in p.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 30
+    assert summary["device"] == "cpu"  # pinned, so a GPU host does not turn this into NCCL
 
 
-def test_make_run_local_rejects_a_bad_override_before_launching(tmp_path):
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        ("optim.lrr=1", "did you mean 'optim.lr'"),
+        (
+            "data.global_batch_size=3",
+            "data.global_batch_size=3 does not split over 2 ranks: use a multiple of 2",
+        ),
+    ],
+)
+def test_make_run_local_rejects_a_bad_config_before_launching(tmp_path, args, fragment):
     p = subprocess.run(
-        ["make", "--no-print-directory", "run-local", f"RUN_DIR={tmp_path}", "ARGS=optim.lrr=1"],
+        ["make", "--no-print-directory", "run-local", f"RUN_DIR={tmp_path}", f"ARGS={args}"],
         cwd=ROOT,
         env=env(),
         capture_output=True,
@@ -44,7 +56,8 @@ def test_make_run_local_rejects_a_bad_override_before_launching(tmp_path):
         timeout=120,
     )
     assert p.returncode != 0
-    assert "did you mean 'optim.lr'" in p.stderr and "torchrun" not in p.stderr
+    assert fragment in p.stderr and "torchrun" not in p.stderr
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 class _Tty(io.StringIO):

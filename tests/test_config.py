@@ -101,6 +101,15 @@ def test_cli_config_error_is_one_line_exit_2_no_traceback():
     assert p.returncode == 2 and "unrecognized arguments: --nope" in p.stderr
 
 
+def test_config_check_knows_the_world_size():
+    p = _cli("config", "check", "--world-size=4", "data.global_batch_size=6")
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0, p.stderr
+    assert "data.global_batch_size=6 does not split over 4 ranks" in p.stderr
+    assert "e.g. data.global_batch_size=4 or 8" in p.stderr
+    p = _cli("config", "check", "--world-size=4", "data.global_batch_size=8")
+    assert p.returncode == 0 and "config ok" in p.stdout
+
+
 def test_cli_config_show_accepts_overrides_after_options():
     p = _cli(
         "config", "show", "--config", "digits-lenet", "optim.lr=0.5", "model.activation=sigmoid"

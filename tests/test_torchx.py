@@ -324,6 +324,10 @@ def test_help_shows_the_docstring(tmp_path):
         (["--config", "digits-lenett"], "(did you mean 'digits-lenet'?)"),
         (["--gpu", "2", "--nproc_per_node", "4"], "--nproc_per_node 4 but 2 GPU(s) per node"),
         (["-h", "no-such-host"], "-h no-such-host: No named resource found"),
+        (
+            ["--nnodes", "2", "--nproc_per_node", "2", "data.global_batch_size=6"],
+            "data.global_batch_size=6 does not split over 4 ranks",
+        ),
     ],
 )
 def test_mistakes_stop_before_submitting_in_one_line(tmp_path, args, fragment):

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("show", "check", "list"),
         help="show: print the resolved config; check: validate it; list: the presets",
     )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="check: also check that the global batch splits over N ranks",
+    )
     _add_config_args(p)
     p.set_defaults(func=_cmd_config)
     return parser
@@ -170,6 +176,8 @@ def _cmd_config(args) -> int:
     if args.action == "show":
         print(config.to_yaml(cfg), end="")
     else:
+        if args.world_size is not None:
+            config.check_world_size(cfg, args.world_size)
         print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
     return ExitCode.OK
 

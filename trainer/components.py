@@ -103,7 +103,7 @@ def train(
         "(or no GPUs and dist.device=cpu)",
     )
     args = ["train", "--config", config, f"run_dir=runs/{specs.macros.app_id}", *overrides]
-    _preflight(config, args[3:])
+    _preflight(config, args[3:], world_size=nnodes * nproc)
 
     role_env = dict(TORCH_ENV)
     role_env["PET_MAX_RESTARTS"] = str(max_restarts)
@@ -135,7 +135,7 @@ def _check(ok: bool, message: str) -> None:
         raise SystemExit(2)
 
 
-def _preflight(config: str, overrides: List[str]) -> None:
+def _preflight(config: str, overrides: List[str], world_size: int) -> None:
     """Load the config here, so a typo fails now rather than in a pod after scheduling.
 
     TorchX macros (${app_id}, ...) get sample values first. A config file that exists only inside
@@ -154,6 +154,7 @@ def _preflight(config: str, overrides: List[str]) -> None:
         img_root="", app_id="app-id", replica_id="0", rank0_env="TORCHX_RANK0_HOST"
     )
     try:
-        trainer_config.load(config, [sample.substitute(o) for o in overrides])
+        cfg = trainer_config.load(config, [sample.substitute(o) for o in overrides])
+        trainer_config.check_world_size(cfg, world_size)
     except UsageError as e:
         _check(False, str(e))

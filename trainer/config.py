@@ -315,6 +315,18 @@ class Config:
         registry.check("model.name", self.model.name)
 
 
+def check_world_size(cfg: Config, world_size: int) -> None:
+    """The global batch must split evenly over the ranks (each takes an equal slice)."""
+    b, w = cfg.data.global_batch_size, world_size
+    if b % w:
+        lo, hi = (b // w) * w, (b // w + 1) * w
+        suggestion = f"{lo} or {hi}" if lo else f"{hi}"
+        raise ConfigError(
+            f"data.global_batch_size={b} does not split over {w} ranks: "
+            f"use a multiple of {w} (e.g. data.global_batch_size={suggestion})"
+        )
+
+
 def presets() -> list[str]:
     return sorted(
         p.name[:-5] for p in resources.files("trainer.conf").iterdir() if p.name.endswith(".yaml")

@@ -92,6 +92,8 @@ class Plan:
     child: bool
     """True: run torchrun as a child and report the ranks' exit codes. False: exec argv."""
     summary: str
+    world_size: int | None = None
+    """Ranks in the job when torchrun is launched with a fixed node count; None otherwise."""
 
     def shell(self) -> str:
         """The plan as one copy-pastable shell line."""
@@ -224,7 +226,9 @@ def make_plan(
         )
     argv.append(f"--max-restarts={node.max_restarts}")
     argv += command.torchrun_tail()
-    return Plan(argv=tuple(argv), env=extra, unset=unset, child=True, summary=summary)
+    world = int(node.nnodes) * node.nproc if node.nnodes.isdigit() else None
+    return Plan(argv=tuple(argv), env=extra, unset=unset, child=True, summary=summary,
+                world_size=world)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,8 +265,8 @@ def probe_route(node: Node, env: Mapping[str, str]) -> Route | None:
         return None
 
 
-def preflight(command: Command) -> str | None:
-    """Validate the trainer config in-process before torchrun starts; returns dist.device.
+def preflight(command: Command):
+    """Validate the trainer config in-process before torchrun starts; returns the Config.
 
     Uses the trainer's own parser, so the arguments mean exactly what they will mean per rank.
     """
@@ -273,8 +277,7 @@ def preflight(command: Command) -> str | None:
     bad = [a for a in extra if a.startswith("-") or "=" not in a]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    cfg = config.load(args.config, [*args.overrides, *extra])
-    return cfg.dist.device
+    return config.load(args.config, [*args.overrides, *extra])
 
 
 def _die_with_parent() -> None:
@@ -414,10 +417,10 @@ def _launch(args: list[str], dry_run: bool) -> int:
 def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
     env = os.environ
     command = split_command(args, env)
-    gpus = 0
+    gpus, cfg = 0, None
     if command.distributed and not launched_by_torchrun(env):
-        device = preflight(command) if command.is_trainer else None
-        gpus = 0 if device == "cpu" else visible_gpus()
+        cfg = preflight(command) if command.is_trainer else None
+        gpus = 0 if cfg is not None and cfg.dist.device == "cpu" else visible_gpus()
     plan = make_plan(
         env,
         command,
@@ -428,6 +431,10 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         python=sys.executable,
         probe=probe_route,
     )
+    if cfg is not None and plan.world_size:
+        from trainer.config import check_world_size
+
+        check_world_size(cfg, plan.world_size)  # exit 2 here, not one failed rank per process
     if dry_run:
         print(f"# {plan.summary}")
         if plan.child:

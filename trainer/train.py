@@ -18,21 +18,10 @@ import time
 import torch
 
 from trainer import checkpoint, data, dist, loop, metrics, models, optim, repro, strategy
-from trainer.config import Config, to_dict, to_yaml
-from trainer.errors import ConfigError, UsageError
+from trainer.config import Config, check_world_size, to_dict, to_yaml
+from trainer.errors import UsageError
 from trainer.resume import Checkpointer
 from trainer.signals import StopSignal
-
-
-def check_batch(cfg: Config, denv: dist.DistEnv) -> None:
-    b, w = cfg.data.global_batch_size, denv.world_size
-    if b % w:
-        lo, hi = (b // w) * w, (b // w + 1) * w
-        suggestion = f"{lo} or {hi}" if lo else f"{hi}"
-        raise ConfigError(
-            f"data.global_batch_size={b} does not split over {w} ranks: "
-            f"use a multiple of {w} (e.g. data.global_batch_size={suggestion})"
-        )
 
 
 def run(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None) -> dict:
@@ -46,7 +35,7 @@ def run(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None) -
     started = time.time()
     denv, device, backend = dist.resolve(cfg.dist.device, cfg.dist.backend, os.environ)
     wrap_as = strategy.resolve(cfg.dist.strategy, denv)
-    check_batch(cfg, denv)
+    check_world_size(cfg, denv.world_size)
     repro.configure(cfg.repro)
     dist.init(denv, device, backend, cfg.dist.timeout_s)
     try:
