@@ -54,8 +54,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def env(**extra) -> dict[str, str]:
-    """A clean environment: no torchrun variables leak in from the test runner."""
+def env(gpu: bool = False, **extra) -> dict[str, str]:
+    """A clean environment: no torchrun variables leak in from the test runner.
+
+    GPUs are hidden unless `gpu`: the CPU tests compare gloo runs of 2-4 ranks, which on a GPU
+    machine would otherwise pick CUDA (dist.device=auto) and want one GPU per rank.
+    """
     e = {
         k: v
         for k, v in os.environ.items()
@@ -74,11 +78,15 @@ def env(**extra) -> dict[str, str]:
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
     e["OMP_NUM_THREADS"] = "1"
     e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    if not gpu:
+        e["CUDA_VISIBLE_DEVICES"] = ""
     e.update(extra)
     return e
 
 
-def trainer(*args, nproc: int | None = None, timeout: float = 180, extra_env=None, check=True):
+def trainer(
+    *args, nproc: int | None = None, timeout: float = 180, extra_env=None, check=True, gpu=False
+):
     """Run `python -m trainer ...`, or under the real torchrun with nproc processes."""
     if nproc is None:
         cmd = [sys.executable, "-m", "trainer", *args]
@@ -92,7 +100,12 @@ def trainer(*args, nproc: int | None = None, timeout: float = 180, extra_env=Non
             *args,
         ]
     proc = subprocess.run(
-        cmd, env=env(**(extra_env or {})), capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        cmd,
+        env=env(gpu, **(extra_env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
     )
     if check and proc.returncode != 0:
         raise AssertionError(

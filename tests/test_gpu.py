@@ -1,13 +1,17 @@
 """GPU paths (skipped without CUDA): AMP, compile, channels_last, GPU->CPU checkpoints, determinism."""
 
+import functools
 import json
 
 import pytest
 import torch
 
-from tests.helpers import trainer, weights
+from tests import helpers
+from tests.helpers import weights
 
 pytestmark = pytest.mark.gpu
+
+trainer = functools.partial(helpers.trainer, gpu=True)  # helpers hide GPUs from CPU tests
 
 LENET = ["--config", "digits-lenet", "train.epochs=10", "log.progress=plain", "dist.device=cuda"]
 
