@@ -36,12 +36,14 @@ def _args(root, run_dir) -> list[str]:
     ]
 
 
+@pytest.mark.slow
 def test_two_ranks_with_workers_match_one_process(tmp_path, cifar):
     trainer(*_args(cifar, tmp_path / "w1"))
     trainer(*_args(cifar, tmp_path / "w2"), "data.num_workers=1", nproc=2)
     assert_same_run(tmp_path / "w2", tmp_path / "w1")  # 18 steps, 1e-5 relative
 
 
+@pytest.mark.slow
 def test_sync_bn_on_cpu_ranks_stops_in_one_line(tmp_path):
     # Synthetic data and VGG (plain torch): no sklearn or torchvision import, a quicker start.
     p = trainer(

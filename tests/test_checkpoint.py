@@ -278,3 +278,20 @@ def test_init_weights_starts_from_foreign_weights(trained, tmp_path):
     after = load_file(str(tmp_path / "warm" / "final" / "model.safetensors"))
     for k, v in weights.items():
         assert torch.allclose(after[k], v, atol=1e-6)
+
+
+def test_ckpt_dir_moves_checkpoints_and_resume_never_starts_over(tmp_path, capsys):
+    shared = tmp_path / "shared-ckpts"
+    _run(tmp_path / "a", f"ckpt.dir={shared}")
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    assert [s for s, _ in checkpoint.list_checkpoints(str(shared))] == [12, 9, 6, 3]
+    capsys.readouterr()
+    # another run directory, same ckpt.dir: auto resumes from it and trains one more epoch
+    summary = _run(tmp_path / "b", f"ckpt.dir={shared}", "train.epochs=5")
+    assert f"resumed from {shared / 'step-000000012'} " in capsys.readouterr().out
+    assert summary["steps"] == 15 and checkpoint.list_checkpoints(str(shared))[0][0] == 15
+    # never: from scratch, whatever the folder holds (same config, same numbers as run a)
+    summary = _run(tmp_path / "c", f"ckpt.dir={shared}", "ckpt.resume=never")
+    assert "resumed from" not in capsys.readouterr().out and summary["steps"] == 12
+    a, c = (load_file(str(tmp_path / r / "final" / "model.safetensors")) for r in "ac")
+    assert all(torch.equal(a[k], c[k]) for k in a)

@@ -41,7 +41,7 @@ def assert_same_run(run, reference, tol=1e-5):
         assert (w[name] - t).abs().max().item() <= tol * scale, name
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_matches_single_process_over_69_steps(reference_runs, world):
     assert len(train_losses(reference_runs(1))) == 69
     assert_same_run(reference_runs(world), reference_runs(1))
@@ -65,6 +65,7 @@ def test_run_dir_outputs(reference_runs):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_tail_batch_smaller_than_world_trains_and_matches(tmp_path, world):
     # 9 samples, global batch 4: the last batch of every epoch holds 1 sample for `world` ranks.
     ref, run = tmp_path / "w1", tmp_path / f"w{world}"
@@ -119,6 +120,7 @@ def test_inconsistent_env_fails_fast_with_one_line(tmp_path, env, code, fragment
     assert p.stderr.strip().count("\n") == 0
 
 
+@pytest.mark.slow
 def test_missing_peer_times_out_as_retryable(tmp_path):
     from tests.helpers import free_port
 

@@ -4,6 +4,8 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,6 +56,7 @@ def _tree_digest(folder):
     return h.hexdigest()
 
 
+@pytest.mark.slow
 def test_dry_run_exercises_the_tail_batch_and_a_checkpoint_round_trip_and_keeps_nothing(tmp_path):
     run_dir = tmp_path / "run"
     trainer("train", *TINY, f"run_dir={run_dir}")
@@ -82,6 +85,7 @@ def test_dry_run_fails_fast_on_a_non_finite_loss(tmp_path):
     assert "dry run: the loss on the last batch is nan" in p.stderr and "Traceback" not in p.stderr
 
 
+@pytest.mark.slow
 def test_doctor_reports_and_fails_on_a_broken_env():
     p = trainer("doctor", check=False)
     assert p.returncode == 0, p.stdout
@@ -115,6 +119,7 @@ def test_doctor_warns_about_a_small_dev_shm(monkeypatch):
     assert level == "warn" and "0.06 GiB" in detail and "shm_size" in detail
 
 
+@pytest.mark.slow
 def test_from_reruns_a_run_exactly_and_records_where_it_ran(tmp_path):
     run_dir = tmp_path / "run"
     trainer("train", *TINY, "model.dropout=0.0", f"run_dir={run_dir}")
@@ -123,12 +128,25 @@ def test_from_reruns_a_run_exactly_and_records_where_it_ran(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
     record = json.loads((run_dir / "run.json").read_text())
     assert record["world_size"] == 1 and record["seed"] == 0 and len(record["hostnames"]) == 1
-    assert (
-        record["versions"]["torch"] == torch.__version__.split("+")[0]
-        or record["versions"]["torch"]
-    )
-    assert record["git"] is None or len(record["git"]["commit"]) == 40
+    assert record["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                          text=True)  # fmt: skip
+    if head.returncode == 0:  # a git checkout (CI clones one): the record names its commit
+        assert record["git"]["commit"] == head.stdout.strip()
+        assert isinstance(record["git"]["dirty"], bool)
+    else:
+        assert record["git"] is None
     assert record["argv"][-1] == f"run_dir={run_dir}"
+
+
+def test_an_image_names_its_commit_without_git(monkeypatch):
+    from trainer import repro
+
+    monkeypatch.setenv("TRAINER_GIT_COMMIT", "0123abc")
+    monkeypatch.setenv("PATH", "/nonexistent")  # no git binary, as in the image
+    assert repro.git_commit() == {"commit": "0123abc", "dirty": None}
+    monkeypatch.delenv("TRAINER_GIT_COMMIT")
+    assert repro.git_commit() is None
 
 
 def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path):
@@ -137,9 +155,6 @@ def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path):
             "assert torch.are_deterministic_algorithms_enabled()\n"
             "assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic\n"
             "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n")  # fmt: skip
-    import subprocess
-    import sys
-
     p = subprocess.run(
         [sys.executable, "-c", code], env=env(), cwd=ROOT, capture_output=True, text=True
     )

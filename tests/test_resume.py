@@ -43,6 +43,7 @@ def test_resume_from_a_mid_epoch_checkpoint_is_bitwise(uninterrupted_w1, tmp_pat
     assert sorted(got) == list(range(31, 70)) and all(got[s] == ref[s] for s in got)
 
 
+@pytest.mark.slow
 def test_sigkill_then_rerun_gives_bitwise_the_same_weights(uninterrupted_w1, tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn("train", *BASE, *DROPOUT, f"run_dir={run_dir}")
@@ -60,7 +61,7 @@ def test_sigkill_then_rerun_gives_bitwise_the_same_weights(uninterrupted_w1, tmp
     assert steps == list(range(1, 70))  # history has one record per step, none repeated
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2, tmp_path, world):
     run_dir = tmp_path / "run"
     src = uninterrupted_w2 / "checkpoints" / "step-000000030"
@@ -76,6 +77,7 @@ def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2,
         assert (w[name] - t).abs().max().item() <= 1e-5 * t.abs().max().item(), name
 
 
+@pytest.mark.slow
 def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterrupted_w2, tmp_path):
     run_dir, status = tmp_path / "run", tmp_path / "status"
     status.mkdir()
@@ -121,6 +123,7 @@ def test_a_signal_during_setup_exits_3_without_a_traceback(tmp_path):
     assert checkpoints(run_dir) == []
 
 
+@pytest.mark.slow
 def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn("train", *BASE, "model.kwargs.delay=8", f"run_dir={run_dir}")  # 8 s per step

@@ -50,6 +50,35 @@ def test_micro_batches_equal_the_unsplit_step():
         assert _max_rel(model.state_dict(), ref.state_dict()) <= 1e-6, micro
 
 
+def test_micro_steps_all_reduce_once_per_step():
+    """no_sync on all micro-steps but the last: as many DDP all-reduces as an unsplit step."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.helpers import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)  # fmt: skip
+    try:
+        calls = {}
+        for micro in (None, 1, 5):
+            step, model = _setup(**({"micro_batch_size": micro} if micro else {}))
+            step.model = DDP(model)
+            calls[micro] = 0
+
+            def hook(_state, bucket, micro=micro):
+                calls[micro] += 1
+                fut = torch.futures.Future()
+                fut.set_result(bucket.buffer())
+                return fut
+
+            step.model.register_comm_hook(None, hook)
+            step(*_batch(), 24)
+        assert calls[None] >= 1 and calls[1] == calls[5] == calls[None], calls
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("precision, tol", [("bf16", 2e-2), ("fp16", 5e-3)])
 def test_mixed_precision_step_matches_the_fp32_step(precision, tol):
     x, y = _batch()
@@ -123,6 +152,7 @@ TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "
         "train.epochs=4", "optim.name=sgd", "optim.lr=0.1", "log.every_steps=1", "log.progress=none"]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_accumulation_under_ddp_matches_the_unsplit_single_process_run(tmp_path):
     # Global batch 4 over 2 ranks = 2 per rank, micro 1: two micro-steps, no_sync on the first.
     # The 9-sample epoch ends with a 1-sample batch: one rank has nothing, the other one micro-step.
@@ -132,6 +162,7 @@ def test_accumulation_under_ddp_matches_the_unsplit_single_process_run(tmp_path)
     assert _max_rel(a, b) <= 1e-5
 
 
+@pytest.mark.slow
 def test_fp16_overflow_is_skipped_by_every_rank_together(tmp_path):
     trainer(
         "train",
@@ -168,3 +199,17 @@ def test_compiled_model_trains_and_saves_plain_weights(tmp_path):
     c, e = weights(tmp_path / "c"), weights(tmp_path / "e")
     assert c.keys() == e.keys() and not any("_orig_mod" in k for k in c)
     assert _max_rel(c, e) <= 1e-4
+
+
+@pytest.mark.parametrize(
+    "every, steps",
+    [(["train.eval_every_steps=5"], [5, 10, 12]), (["train.eval_every_epochs=2"], [6, 12]),
+     (["train.eval_every_epochs=1"], [3, 6, 9, 12])],
+)  # fmt: skip
+def test_evaluation_every_n_steps_or_epochs_and_always_at_the_end(tmp_path, every, steps):
+    from trainer.train import run
+
+    run(config.load(None, [*TINY, *every, f"run_dir={tmp_path}"]))
+    evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == steps
+    assert all(r["eval.count"] == 7 for r in evals)  # every test sample, each time

@@ -4,7 +4,7 @@
         model.safetensors   unwrapped weights (no `module.`/`_orig_mod.`), CPU tensors
         optimizer.pt        optimizer state_dict
         state.pt            scheduler, grad scaler, every rank's RNG states
-        meta.json           loop position, world size, versions, git, hostnames, time
+        meta.json           loop position, reason, world size, restart count, results, versions, time
         config.yaml         the resolved config
         MANIFEST.sha256     sha256 of every file above; written last, checked before loading
 
