@@ -7,7 +7,7 @@ PYTHON ?= python3
 BIN    := $(VENV)/bin
 EXTRAS ?= dev
 NPROC  ?= 2
-DEVICE ?= cpu
+TRAIN_DEVICE ?= cpu
 ARGS   ?=
 STAMP  := $(shell date +%Y%m%d-%H%M%S)
 RUN_DIR ?= runs/local-$(STAMP)
@@ -45,9 +45,9 @@ $(VENV)/.installed: pyproject.toml requirements.lock
 	@touch $@
 
 run-local: setup  ## train the default config with 2 CPU processes (torchrun, gloo); ARGS="key=value ..."
-	@$(BIN)/trainer config check --world-size=$(NPROC) dist.device=$(DEVICE) run_dir=$(RUN_DIR) $(ARGS) >/dev/null
+	@$(BIN)/trainer config check --world-size=$(NPROC) dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS) >/dev/null
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
-		-m trainer train dist.device=$(DEVICE) run_dir=$(RUN_DIR) $(ARGS)
+		-m trainer train dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS)
 
 test: setup  ## the whole test suite (what CI runs)
 	$(BIN)/pytest $(PYTEST_ARGS)
