@@ -112,6 +112,15 @@ class Cluster:
                                        preexec_fn=_die_with_this_process)  # fmt: skip
         log.close()
 
+    def start_all(self) -> None:
+        for i in range(len(self.pods)):
+            self.start(i)
+
+    def run_all(self) -> list[int]:
+        """Start every pod and wait for each: their exit codes, in pod order."""
+        self.start_all()
+        return [self.wait(i) for i in range(len(self.pods))]
+
     def kill(self, i: int) -> None:
         """The pod is lost: SIGKILL to its PID namespace, every process in it at once."""
         self.procs[i].kill()
@@ -198,9 +207,7 @@ def test_cpu_smoke_trains_across_two_network_namespaces_like_a_local_run(tmp_pat
         cluster = Cluster(tmp_path, net)
         try:
             started = time.monotonic()
-            for i in range(len(pods)):
-                cluster.start(i)
-            codes = [cluster.wait(i) for i in range(len(pods))]
+            codes = cluster.run_all()
             wall = time.monotonic() - started
         finally:
             cluster.close()
@@ -247,8 +254,7 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
         newest = lambda: max(checkpoints(run_dir), key=_step, default="step-0")  # noqa: E731
         t0 = time.monotonic()
         try:
-            for i in range(len(pods)):
-                cluster.start(i)
+            cluster.start_all()
             # A: lose pod 1 after a checkpoint, recreate it alone.
             wait_for(lambda: _step(newest()) >= 20, TIMEOUT, "a checkpoint at step 20",
                      cluster.procs[0])  # fmt: skip
@@ -264,9 +270,7 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
             b_ckpt, lost = newest(), time.monotonic()
             survivor = cluster.wait(1, timeout=TIMEOUT)
             survivor_s = time.monotonic() - lost
-            for i in range(len(pods)):
-                cluster.start(i)
-            codes = [cluster.wait(i) for i in range(len(pods))]
+            codes = cluster.run_all()
             wall = time.monotonic() - t0
         finally:
             cluster.close()
