@@ -30,26 +30,64 @@ ROOT = Path(__file__).resolve().parents[1]
 # Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices get no MFU column.
 BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
-GPU_BASE = ["data.name=synthetic", "data.synthetic.shape=[3,32,32]", "data.synthetic.num_classes=10",
-            "data.synthetic.size=50000", "data.synthetic.test_size=1000", "model.name=resnet18",
-            "data.global_batch_size=512", "optim.name=sgd", "optim.lr=0.1", "sched.name=none",
-            "sched.warmup_steps=0", "train.epochs=100", "train.max_steps=300", "log.every_steps=20",
-            "ckpt.every_epochs=0", "log.tensorboard=false", "log.progress=plain", "dist.device=cuda",
-            "data.device_resident=true"]  # fmt: skip
+GPU_BASE = [
+    "data.name=synthetic",
+    "data.synthetic.shape=[3,32,32]",
+    "data.synthetic.num_classes=10",
+    "data.synthetic.size=50000",
+    "data.synthetic.test_size=1000",
+    "model.name=resnet18",
+    "data.global_batch_size=512",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "sched.name=none",
+    "sched.warmup_steps=0",
+    "train.epochs=100",
+    "train.max_steps=300",
+    "log.every_steps=20",
+    "ckpt.every_epochs=0",
+    "log.tensorboard=false",
+    "log.progress=plain",
+    "dist.device=cuda",
+    "data.device_resident=true",
+]
 GPU_ROWS = [
     ("bare loop fp32", "bare", []),
     ("trainer fp32", "trainer", []),
-    ("trainer fp32, host batches (pinned)", "trainer", ["data.device_resident=false", "data.pin_memory=true"]),
+    (
+        "trainer fp32, host batches (pinned)",
+        "trainer",
+        ["data.device_resident=false", "data.pin_memory=true"],
+    ),
     ("trainer bf16", "trainer", ["train.precision=bf16"]),
-    ("trainer bf16 + channels_last", "trainer", ["train.precision=bf16", "train.channels_last=true"]),
-    ("trainer bf16 + channels_last + compile", "trainer",
-     ["train.precision=bf16", "train.channels_last=true", "train.compile=true"]),
-    ("bare loop bf16 + channels_last + compile", "bare",
-     ["train.precision=bf16", "train.channels_last=true", "train.compile=true"]),
-]  # fmt: skip
+    (
+        "trainer bf16 + channels_last",
+        "trainer",
+        ["train.precision=bf16", "train.channels_last=true"],
+    ),
+    (
+        "trainer bf16 + channels_last + compile",
+        "trainer",
+        ["train.precision=bf16", "train.channels_last=true", "train.compile=true"],
+    ),
+    (
+        "bare loop bf16 + channels_last + compile",
+        "bare",
+        ["train.precision=bf16", "train.channels_last=true", "train.compile=true"],
+    ),
+]
 
-CPU_BASE = ["--config", "digits-mlp", "train.epochs=100", "train.max_steps=600", "log.every_steps=50",
-            "ckpt.every_epochs=0", "log.tensorboard=false", "log.progress=plain", "dist.device=cpu"]  # fmt: skip
+CPU_BASE = [
+    "--config",
+    "digits-mlp",
+    "train.epochs=100",
+    "train.max_steps=600",
+    "log.every_steps=50",
+    "ckpt.every_epochs=0",
+    "log.tensorboard=false",
+    "log.progress=plain",
+    "dist.device=cpu",
+]
 CPU_ROWS = [
     ("bare loop, 1 process", "bare", []),
     ("trainer, 1 process", "trainer", []),
@@ -150,8 +188,10 @@ def run_trainer(overrides: list[str], nproc: int, work: Path) -> dict:
 
 
 def run_bare(overrides: list[str], steps: int, warmup: int) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench; "
-            f"print(json.dumps(bench.bare_loop({overrides!r}, {steps}, {warmup})))")  # fmt: skip
+    code = (
+        f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench; "
+        f"print(json.dumps(bench.bare_loop({overrides!r}, {steps}, {warmup})))"
+    )
     p = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
     )

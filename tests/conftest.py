@@ -14,8 +14,14 @@ def reference_runs(tmp_path_factory):
         key = (world, extra)
         if key not in cache:
             run_dir = tmp_path_factory.mktemp(f"ref-w{world}") / "run"
-            trainer("train", *REFERENCE, "model.kwargs.delay=0", *extra, f"run_dir={run_dir}",
-                    nproc=None if world == 1 else world)  # fmt: skip
+            trainer(
+                "train",
+                *REFERENCE,
+                "model.kwargs.delay=0",
+                *extra,
+                f"run_dir={run_dir}",
+                nproc=None if world == 1 else world,
+            )
             cache[key] = run_dir
         return cache[key]
 

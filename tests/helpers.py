@@ -13,8 +13,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # A small digits MLP: 3 epochs x 23 steps, a loss record per step, a checkpoint every 10 steps.
 # slow_mlp with delay 0 is the plain MLP; tests that need time to act mid-run raise the delay.
-REFERENCE = ["model.name=tests.helpers:slow_mlp", "model.hidden=[32]", "train.epochs=3", "log.every_steps=1",
-             "ckpt.every_steps=10", "ckpt.keep_last=100", "log.progress=plain"]  # fmt: skip
+REFERENCE = [
+    "model.name=tests.helpers:slow_mlp",
+    "model.hidden=[32]",
+    "train.epochs=3",
+    "log.every_steps=1",
+    "ckpt.every_steps=10",
+    "ckpt.keep_last=100",
+    "log.progress=plain",
+]
 BIN = Path(sys.executable).parent
 
 
@@ -60,21 +67,9 @@ def env(gpu: bool = False, **extra) -> dict[str, str]:
     GPUs are hidden unless `gpu`: the CPU tests compare gloo runs of 2-4 ranks, which on a GPU
     machine would otherwise pick CUDA (dist.device=auto) and want one GPU per rank.
     """
-    e = {
-        k: v
-        for k, v in os.environ.items()
-        if k
-        not in (
-            "RANK",
-            "LOCAL_RANK",
-            "WORLD_SIZE",
-            "LOCAL_WORLD_SIZE",
-            "GROUP_RANK",
-            "MASTER_ADDR",
-            "MASTER_PORT",
-            "TORCHELASTIC_RESTART_COUNT",
-        )
-    }
+    from trainer.ranks import TORCHRUN_VARS
+
+    e = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
     e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), e.get("PYTHONPATH")]))
     e["OMP_NUM_THREADS"] = "1"
     e["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -84,21 +79,21 @@ def env(gpu: bool = False, **extra) -> dict[str, str]:
     return e
 
 
+def trainer_argv(*args, nproc: int | None = None, max_restarts: int | None = None) -> list[str]:
+    """`python -m trainer ARGS`, or the real torchrun running it on nproc local processes."""
+    if nproc is None:
+        return [sys.executable, "-m", "trainer", *args]
+    torchrun = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}"]
+    if max_restarts is not None:
+        torchrun += [f"--max-restarts={max_restarts}", "--monitor-interval=0.2"]
+    return [*torchrun, "-m", "trainer", *args]
+
+
 def trainer(
     *args, nproc: int | None = None, timeout: float = 180, extra_env=None, check=True, gpu=False
 ):
     """Run `python -m trainer ...`, or under the real torchrun with nproc processes."""
-    if nproc is None:
-        cmd = [sys.executable, "-m", "trainer", *args]
-    else:
-        cmd = [
-            str(BIN / "torchrun"),
-            "--standalone",
-            f"--nproc-per-node={nproc}",
-            "-m",
-            "trainer",
-            *args,
-        ]
+    cmd = trainer_argv(*args, nproc=nproc)
     proc = subprocess.run(
         cmd,
         env=env(gpu, **(extra_env or {})),
@@ -189,13 +184,9 @@ def children(pid: int) -> list[int]:
 
 def spawn(*args, nproc: int | None = None, extra_env=None, max_restarts: int = 0):
     """Start the trainer (or torchrun) in the background, output in proc.stdout."""
-    if nproc is None:
-        cmd = [sys.executable, "-m", "trainer", *args]
-    else:
-        cmd = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.2", "-m", "trainer", *args]  # fmt: skip
-    return subprocess.Popen(cmd, env=env(**(extra_env or {})), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cmd = trainer_argv(*args, nproc=nproc, max_restarts=max_restarts)
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    return subprocess.Popen(cmd, env=env(**(extra_env or {})), cwd=ROOT, **out)
 
 
 def nan_model(num_classes, in_shape):

@@ -279,8 +279,19 @@ def pods(objs: list[dict], ip=lambda i: f"10.8.{i}.17") -> list[Pod]:
             **extra,
         }
         container = training_container(spec)
-        out.append(Pod(i, f"{job_name}-{i}", subdomain, labels, {COMPLETION_INDEX: str(i)},
-                       ip(i), spec, container, {"JOB_COMPLETION_INDEX": str(i)}))  # fmt: skip
+        out.append(
+            Pod(
+                i,
+                f"{job_name}-{i}",
+                subdomain,
+                labels,
+                {COMPLETION_INDEX: str(i)},
+                ip(i),
+                spec,
+                container,
+                {"JOB_COMPLETION_INDEX": str(i)},
+            )
+        )
     return out
 
 
@@ -299,8 +310,13 @@ def trainjob_pod_spec(trainjob: dict) -> dict:
     t = trainjob["spec"]["trainer"]
     (container,) = spec["containers"]
     assert container["name"] == KUBEFLOW_NODE
-    container.update(image=t["image"], command=t["command"], args=t.get("args", []),
-                     env=t.get("env", []), resources=t.get("resourcesPerNode", {}))  # fmt: skip
+    container.update(
+        image=t["image"],
+        command=t["command"],
+        args=t.get("args", []),
+        env=t.get("env", []),
+        resources=t.get("resourcesPerNode", {}),
+    )
     return spec
 
 
@@ -319,8 +335,19 @@ def _trainjob_pods(tj: dict, ip) -> list[Pod]:
             "PET_MASTER_ADDR": f"{job_name}-0.{name}",
             "PET_MASTER_PORT": KUBEFLOW_MASTER_PORT,
         }
-        out.append(Pod(i, f"{job_name}-{i}", name, labels, {COMPLETION_INDEX: str(i)}, ip(i),
-                       spec, training_container(spec), injected))  # fmt: skip
+        out.append(
+            Pod(
+                i,
+                f"{job_name}-{i}",
+                name,
+                labels,
+                {COMPLETION_INDEX: str(i)},
+                ip(i),
+                spec,
+                training_container(spec),
+                injected,
+            )
+        )
     return out
 
 

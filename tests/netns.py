@@ -80,8 +80,20 @@ class Network:
             _ip("netns", "add", node.namespace)
             self._made.append(node.namespace)
             # One veth pair per node: `eth0` inside the node, port p<i> on the switch's bridge.
-            _ip("-n", self.switch, "link", "add", f"p{i}", "type", "veth", "peer", "name",
-                node.ifname, "netns", node.namespace)  # fmt: skip
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                f"p{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                node.ifname,
+                "netns",
+                node.namespace,
+            )
             _ip("-n", self.switch, "link", "set", f"p{i}", "master", "br0", "up")
             _ip("-n", node.namespace, "addr", "add", f"{node.ip}/24", "dev", node.ifname)
             _ip("-n", node.namespace, "link", "set", node.ifname, "up")

@@ -10,18 +10,27 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import ROOT, tiny_model
-from trainer import checkpoint, config
+from trainer import config
+from trainer.checkpoint import store, weights
+from trainer.checkpoint.manager import CheckpointWriteError, choose_resume, config_conflicts
 from trainer.errors import UsageError
-from trainer.resume import CheckpointWriteError, config_conflicts
-from trainer.train import run
+from trainer.train import train
 
-TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "data.global_batch_size=4",
-        "train.epochs=4", "optim.name=sgd", "optim.lr=0.1", "log.progress=none", "ckpt.every_epochs=1",
-        "ckpt.keep_last=10"]  # fmt: skip
+TINY = [
+    "data.name=tests.helpers:tiny",
+    "model.name=tests.helpers:tiny_model",
+    "data.global_batch_size=4",
+    "train.epochs=4",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "log.progress=none",
+    "ckpt.every_epochs=1",
+    "ckpt.keep_last=10",
+]
 
 
 def _run(run_dir, *extra):
-    return run(config.load(None, [*TINY, f"run_dir={run_dir}", *extra]))
+    return train(config.load(None, [*TINY, f"run_dir={run_dir}", *extra]))
 
 
 @pytest.fixture
@@ -31,12 +40,12 @@ def trained(tmp_path):
 
 
 def test_a_run_leaves_verified_checkpoints_with_everything(trained):
-    ckpts = checkpoint.list_checkpoints(str(trained / "checkpoints"))
+    ckpts = store.list_checkpoints(str(trained / "checkpoints"))
     assert [s for s, _ in ckpts] == [12, 9, 6, 3]
     path = ckpts[0][1]
-    checkpoint.verify(path)
-    assert sorted(os.listdir(path)) == sorted([*checkpoint.FILES, checkpoint.MANIFEST])
-    payload = checkpoint.load(path)
+    store.verify(path)
+    assert sorted(os.listdir(path)) == sorted([*store.FILES, store.MANIFEST])
+    payload = store.read(path)
     assert payload["meta"]["loop"] == {
         "epoch": 4,
         "step": 12,
@@ -51,7 +60,7 @@ def test_a_run_leaves_verified_checkpoints_with_everything(trained):
 
 def test_keep_last_prunes_old_checkpoints(tmp_path):
     _run(tmp_path / "run", "ckpt.keep_last=2")
-    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "run" / "checkpoints"))] == [
+    assert [s for s, _ in store.list_checkpoints(str(tmp_path / "run" / "checkpoints"))] == [
         12,
         9,
     ]
@@ -77,8 +86,8 @@ def _flip(p):
         ),
         (lambda c: _flip(c / "optimizer.pt"), "optimizer.pt does not match its sha256"),
         (lambda c: (c / "state.pt").unlink(), "state.pt is missing"),
-        (lambda c: (c / checkpoint.MANIFEST).unlink(), "no readable MANIFEST.sha256"),
-        (lambda c: (c / checkpoint.MANIFEST).write_text("garbage\n"), "malformed MANIFEST.sha256"),
+        (lambda c: (c / store.MANIFEST).unlink(), "no readable MANIFEST.sha256"),
+        (lambda c: (c / store.MANIFEST).write_text("garbage\n"), "malformed MANIFEST.sha256"),
         (lambda c: (c / "meta.json").write_text("{}"), "meta.json does not match its sha256"),
     ],
 )
@@ -86,12 +95,12 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(trained, damage, r
     root = trained / "checkpoints"
     damage(root / "step-000000012")
     warnings = []
-    assert checkpoint.latest_valid(str(root), warnings.append) == str(root / "step-000000009")
+    assert store.latest_valid(str(root), warnings.append) == str(root / "step-000000009")
     assert (
         len(warnings) == 1 and "step-000000012 is corrupt" in warnings[0] and reason in warnings[0]
     )
     with pytest.raises(UsageError, match="corrupt checkpoint"):
-        checkpoint.resolve_resume(str(root / "step-000000012"), str(root), warnings.append)
+        choose_resume(str(root / "step-000000012"), str(root), warnings.append)
 
 
 def test_resume_auto_skips_a_corrupt_newest_and_says_so(trained, capsys):
@@ -106,14 +115,14 @@ def test_stale_temporaries_are_cleaned_and_a_half_replaced_checkpoint_restored(t
     root = trained / "checkpoints"
     (root / ".step-000000015.tmp-999").mkdir()
     os.rename(root / "step-000000012", root / ".step-000000012.old-998")  # killed mid-replace
-    checkpoint.remove_stale_temporaries(str(root))
+    store.remove_stale_temporaries(str(root))
     assert sorted(os.listdir(root)) == [
         "step-000000003",
         "step-000000006",
         "step-000000009",
         "step-000000012",
     ]
-    checkpoint.verify(str(root / "step-000000012"))
+    store.verify(str(root / "step-000000012"))
 
 
 class _Evil:
@@ -126,7 +135,7 @@ def test_a_malicious_pickle_is_refused_and_never_runs(tmp_path):
     bad = tmp_path / "weights.pt"
     torch.save({"w": torch.zeros(2), "payload": _Evil()}, bad)
     with pytest.raises(UsageError, match="refused to load .*weights_only"):
-        checkpoint.read_weights(str(bad))
+        weights.read_weights(str(bad))
     assert not _Evil.marker.exists()
 
 
@@ -141,7 +150,7 @@ def test_wrapped_weights_load_into_a_plain_model(tmp_path, prefix, fmt):
     else:
         torch.save({"state_dict": state, "epoch": 3} if fmt == "nested-pt" else state, path)
     dst = tiny_model(3, (1, 4, 4))
-    checkpoint.load_weights_into(dst, str(path))
+    weights.load_weights_into(dst, str(path))
     for k, v in src.state_dict().items():
         assert torch.equal(dst.state_dict()[k], v)
 
@@ -153,13 +162,13 @@ def test_a_gpu_saved_checkpoint_loads_on_cpu(tmp_path, monkeypatch):
     monkeypatch.undo()
     raw = (tmp_path / "gpu.pt").read_bytes()
     assert b"cuda:1" in raw
-    assert torch.equal(checkpoint.read_weights(str(tmp_path / "gpu.pt"))["w"], torch.arange(4.0))
+    assert torch.equal(weights.read_weights(str(tmp_path / "gpu.pt"))["w"], torch.arange(4.0))
 
 
 def test_mismatched_weights_name_the_fix(tmp_path):
     torch.save({"other.weight": torch.zeros(1)}, tmp_path / "w.pt")
     with pytest.raises(UsageError, match="do not fit model"):
-        checkpoint.load_weights_into(tiny_model(3, (1, 4, 4)), str(tmp_path / "w.pt"))
+        weights.load_weights_into(tiny_model(3, (1, 4, 4)), str(tmp_path / "w.pt"))
 
 
 def test_a_failed_save_keeps_the_previous_checkpoint_intact(trained, monkeypatch, capsys):
@@ -171,7 +180,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint_intact(trained, monkeypatch
     def disk_full(*a, **k):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write_torch", disk_full)
+    monkeypatch.setattr(store, "_torch_save", disk_full)
     with pytest.raises(CheckpointWriteError) as e:
         _run(trained, "train.epochs=5")  # the final save must succeed, so the run fails (exit 4)
     assert "No space left on device" in str(e.value) and "step-000000012" in str(e.value)
@@ -181,24 +190,24 @@ def test_a_failed_save_keeps_the_previous_checkpoint_intact(trained, monkeypatch
         p: (root / "step-000000012" / p).read_bytes() for p in os.listdir(root / "step-000000012")
     }
     assert before == after
-    checkpoint.verify(str(root / "step-000000012"))
+    store.verify(str(root / "step-000000012"))
 
 
 def test_a_failed_periodic_save_warns_and_training_goes_on(tmp_path, monkeypatch, capsys):
-    real_save = checkpoint.save
+    real_write = store.write
     calls = []
 
     def flaky(root, step, **kw):
         calls.append(step)
         if step == 6:
             raise OSError(errno.EIO, "Input/output error")
-        return real_save(root, step, **kw)
+        return real_write(root, step, **kw)
 
-    monkeypatch.setattr(checkpoint, "save", flaky)
+    monkeypatch.setattr(store, "write", flaky)
     summary = _run(tmp_path / "run")
     assert "WARNING: checkpoint at step 6 could not be written" in capsys.readouterr().out
     assert summary["steps"] == 12 and summary["checkpoint_failures"] == 1
-    assert [s for s, _ in checkpoint.list_checkpoints(str(tmp_path / "run" / "checkpoints"))] == [
+    assert [s for s, _ in store.list_checkpoints(str(tmp_path / "run" / "checkpoints"))] == [
         12,
         9,
         3,
@@ -225,25 +234,33 @@ def test_a_real_full_disk_keeps_the_previous_checkpoint(tmp_path):
             _run(disk / "run", "train.epochs=2")
         assert "No space left on device" in str(e.value) and "step-000000003" in str(e.value)
         root = disk / "run" / "checkpoints"
-        assert [s for s, _ in checkpoint.list_checkpoints(str(root))] == [3]
-        checkpoint.verify(str(root / "step-000000003"))
+        assert [s for s, _ in store.list_checkpoints(str(root))] == [3]
+        store.verify(str(root / "step-000000003"))
         assert [n for n in os.listdir(root) if n.startswith(".")] == []
     finally:
         subprocess.run(["umount", str(disk)])
 
 
 def test_export_writes_plain_safetensors_from_a_run_and_from_wrapped_weights(trained, tmp_path):
-    p = subprocess.run([str(ROOT / ".venv/bin/trainer") if (ROOT / ".venv/bin/trainer").exists() else "trainer",
-                        "export", str(trained)], capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    p = subprocess.run(
+        [
+            str(ROOT / ".venv/bin/trainer") if (ROOT / ".venv/bin/trainer").exists() else "trainer",
+            "export",
+            str(trained),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stderr
-    weights = load_file(str(trained / "export" / "model.safetensors"))
-    assert set(weights) == set(tiny_model(3, (1, 4, 4)).state_dict())
+    saved = load_file(str(trained / "export" / "model.safetensors"))
+    assert set(saved) == set(tiny_model(3, (1, 4, 4)).state_dict())
     assert (trained / "export" / "config.yaml").exists()
     wrapped = tmp_path / "dp.pth"
-    torch.save({f"module.{k}": v for k, v in weights.items()}, wrapped)
-    out = checkpoint.export(str(wrapped))
+    torch.save({f"module.{k}": v for k, v in saved.items()}, wrapped)
+    out = weights.export(str(wrapped))
     assert out == str(tmp_path / "dp-export" / "model.safetensors")
-    assert set(load_file(out)) == set(weights)
+    assert set(load_file(out)) == set(saved)
 
 
 def test_resume_refuses_a_config_change_that_breaks_exactness(trained):
@@ -267,8 +284,8 @@ def test_resume_keeps_the_new_schedule(trained):
 
 
 def test_init_weights_starts_from_foreign_weights(trained, tmp_path):
-    weights = load_file(str(trained / "final" / "model.safetensors"))
-    torch.save({f"module.{k}": v for k, v in weights.items()}, tmp_path / "dp.pt")
+    saved = load_file(str(trained / "final" / "model.safetensors"))
+    torch.save({f"module.{k}": v for k, v in saved.items()}, tmp_path / "dp.pt")
     _run(
         tmp_path / "warm",
         f"ckpt.init_weights={tmp_path / 'dp.pt'}",
@@ -276,7 +293,7 @@ def test_init_weights_starts_from_foreign_weights(trained, tmp_path):
         "train.epochs=1",
     )
     after = load_file(str(tmp_path / "warm" / "final" / "model.safetensors"))
-    for k, v in weights.items():
+    for k, v in saved.items():
         assert torch.allclose(after[k], v, atol=1e-6)
 
 
@@ -284,12 +301,12 @@ def test_ckpt_dir_moves_checkpoints_and_resume_never_starts_over(tmp_path, capsy
     shared = tmp_path / "shared-ckpts"
     _run(tmp_path / "a", f"ckpt.dir={shared}")
     assert not (tmp_path / "a" / "checkpoints").exists()
-    assert [s for s, _ in checkpoint.list_checkpoints(str(shared))] == [12, 9, 6, 3]
+    assert [s for s, _ in store.list_checkpoints(str(shared))] == [12, 9, 6, 3]
     capsys.readouterr()
     # another run directory, same ckpt.dir: auto resumes from it and trains one more epoch
     summary = _run(tmp_path / "b", f"ckpt.dir={shared}", "train.epochs=5")
     assert f"resumed from {shared / 'step-000000012'} " in capsys.readouterr().out
-    assert summary["steps"] == 15 and checkpoint.list_checkpoints(str(shared))[0][0] == 15
+    assert summary["steps"] == 15 and store.list_checkpoints(str(shared))[0][0] == 15
     # never: from scratch, whatever the folder holds (same config, same numbers as run a)
     summary = _run(tmp_path / "c", f"ckpt.dir={shared}", "ckpt.resume=never")
     assert "resumed from" not in capsys.readouterr().out and summary["steps"] == 12

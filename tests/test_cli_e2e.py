@@ -68,7 +68,8 @@ class _Tty(io.StringIO):
 def test_console_is_a_bar_on_a_tty_and_plain_lines_otherwise(tmp_path):
     tty, pipe = _Tty(), io.StringIO()
     for stream in (tty, pipe):
-        log = RunLogger(str(tmp_path), progress="auto", total_steps=4, stream=stream)
+        log = RunLogger(main=True, progress="auto", total_steps=4, stream=stream)
+        log.open(str(tmp_path))
         for step in (1, 2, 3, 4):
             log.tick(step)
             log.record(
@@ -90,8 +91,19 @@ def test_console_is_a_bar_on_a_tty_and_plain_lines_otherwise(tmp_path):
 
 def test_non_main_ranks_write_and_print_nothing(tmp_path):
     out = io.StringIO()
-    log = RunLogger(None, progress="plain", total_steps=1, stream=out)
+    log = RunLogger(main=False, progress="plain", total_steps=1, stream=out)
+    log.open(str(tmp_path))
     log.record({"kind": "train", "step": 1, "loss": 1.0})
     log.info("hello")
     log.close()
     assert out.getvalue() == "" and list(tmp_path.iterdir()) == []
+
+
+def test_the_commands_constant_names_every_subcommand_of_the_parser():
+    """trainer-launch decides train-under-torchrun vs run-once from cli.COMMANDS."""
+    import argparse
+
+    from trainer import cli
+
+    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert tuple(sub.choices) == cli.COMMANDS

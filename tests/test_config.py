@@ -148,9 +148,14 @@ def test_each_rank_leaves_its_exit_code_for_the_launcher(tmp_path):
     from trainer.errors import node_exit_code
 
     for rank, args in (("0", ["config", "check", "optim.lrr=1"]), ("1", ["train", "--bogus"])):
-        p = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
-                           env=env(TRAINER_STATUS_DIR=str(tmp_path), RANK=rank, TORCHELASTIC_RESTART_COUNT="2"),
-                           cwd=ROOT, timeout=60)  # fmt: skip
+        p = subprocess.run(
+            [sys.executable, "-m", "trainer", *args],
+            capture_output=True,
+            text=True,
+            env=env(TRAINER_STATUS_DIR=str(tmp_path), RANK=rank, TORCHELASTIC_RESTART_COUNT="2"),
+            cwd=ROOT,
+            timeout=60,
+        )
         assert p.returncode == 2
     assert sorted(f.name for f in tmp_path.iterdir()) == [
         "attempt-2.rank-0.exit",

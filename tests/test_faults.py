@@ -13,10 +13,22 @@ import torch
 from tests.helpers import ROOT, checkpoints, children, env, spawn, trainer, wait_for, weights
 from trainer import doctor
 
-RESTART = ["model.name=tests.helpers:slow_mlp", "model.hidden=[32]", "train.epochs=8", "log.every_steps=5",
-           "ckpt.every_steps=5", "ckpt.keep_last=3", "log.progress=plain"]  # fmt: skip
-TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "data.global_batch_size=4",
-        "train.epochs=2", "log.progress=none"]  # fmt: skip
+RESTART = [
+    "model.name=tests.helpers:slow_mlp",
+    "model.hidden=[32]",
+    "train.epochs=8",
+    "log.every_steps=5",
+    "ckpt.every_steps=5",
+    "ckpt.keep_last=3",
+    "log.progress=plain",
+]
+TINY = [
+    "data.name=tests.helpers:tiny",
+    "model.name=tests.helpers:tiny_model",
+    "data.global_batch_size=4",
+    "train.epochs=2",
+    "log.progress=none",
+]
 KILLS = 10
 
 
@@ -26,13 +38,23 @@ def test_ten_sigkills_under_max_restarts_all_recover_with_identical_weights(tmp_
     trainer("train", *RESTART, "model.kwargs.delay=0", f"run_dir={reference}", nproc=2)
 
     run_dir = tmp_path / "run"
-    proc = spawn("train", *RESTART, "model.kwargs.delay=0.02", f"run_dir={run_dir}", nproc=2,
-                 max_restarts=KILLS + 2)  # fmt: skip
+    proc = spawn(
+        "train",
+        *RESTART,
+        "model.kwargs.delay=0.02",
+        f"run_dir={run_dir}",
+        nproc=2,
+        max_restarts=KILLS + 2,
+    )
     last_seen = None
     for kill in range(KILLS):
         # Wait for progress past the previous kill: a checkpoint this attempt wrote.
-        newest = wait_for(lambda seen=last_seen: (c := checkpoints(run_dir)) and c[-1] != seen and c[-1],
-                          180, f"a new checkpoint before kill {kill + 1}", proc)  # fmt: skip
+        newest = wait_for(
+            lambda seen=last_seen: (c := checkpoints(run_dir)) and c[-1] != seen and c[-1],
+            180,
+            f"a new checkpoint before kill {kill + 1}",
+            proc,
+        )
         last_seen = newest
         workers = children(proc.pid)
         assert len(workers) == 2, f"kill {kill + 1}: expected 2 workers, found {workers}"
@@ -129,8 +151,9 @@ def test_from_reruns_a_run_exactly_and_records_where_it_ran(tmp_path):
     record = json.loads((run_dir / "run.json").read_text())
     assert record["world_size"] == 1 and record["seed"] == 0 and len(record["hostnames"]) == 1
     assert record["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                          text=True)  # fmt: skip
+    head = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    )
     if head.returncode == 0:  # a git checkout (CI clones one): the record names its commit
         assert record["git"]["commit"] == head.stdout.strip()
         assert isinstance(record["git"]["dirty"], bool)
@@ -150,11 +173,13 @@ def test_an_image_names_its_commit_without_git(monkeypatch):
 
 
 def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path):
-    code = ("import os, torch\nfrom trainer import config\nfrom trainer.train import run\n"
-            f"run(config.load(None, {[*TINY, f'run_dir={tmp_path}', 'repro.deterministic=true']!r}))\n"
-            "assert torch.are_deterministic_algorithms_enabled()\n"
-            "assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic\n"
-            "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n")  # fmt: skip
+    code = (
+        "import os, torch\nfrom trainer import config\nfrom trainer.train import train\n"
+        f"train(config.load(None, {[*TINY, f'run_dir={tmp_path}', 'repro.deterministic=true']!r}))\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic\n"
+        "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n"
+    )
     p = subprocess.run(
         [sys.executable, "-c", code], env=env(), cwd=ROOT, capture_output=True, text=True
     )

@@ -17,8 +17,15 @@ LENET = ["--config", "digits-lenet", "train.epochs=10", "log.progress=plain", "d
 
 
 def test_bf16_compiled_channels_last_lenet_trains_on_the_gpu(tmp_path):
-    trainer("train", *LENET, "train.precision=bf16", "train.compile=true", "train.channels_last=true",
-            f"run_dir={tmp_path}", timeout=600)  # fmt: skip
+    trainer(
+        "train",
+        *LENET,
+        "train.precision=bf16",
+        "train.compile=true",
+        "train.channels_last=true",
+        f"run_dir={tmp_path}",
+        timeout=600,
+    )
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["device"] == "cuda:0" and summary["precision"] == "bf16"
     assert summary["eval"]["accuracy"] >= 0.93, summary["eval"]

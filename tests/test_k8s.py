@@ -105,8 +105,16 @@ def test_pods_meet_the_restricted_pod_security_profile(overlay):
     assert csc["capabilities"]["drop"] == ["ALL"] and not csc["capabilities"].get("add")
     assert csc["readOnlyRootFilesystem"] is True
     assert "runAsUser" not in csc and "runAsNonRoot" not in csc  # nothing overrides the pod's
-    allowed = {"configMap", "emptyDir", "persistentVolumeClaim", "projected", "secret", "csi",
-               "downwardAPI", "ephemeral"}  # fmt: skip
+    allowed = {
+        "configMap",
+        "emptyDir",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+        "csi",
+        "downwardAPI",
+        "ephemeral",
+    }
     for v in spec["volumes"]:
         assert set(v) - {"name"} <= allowed, v
     assert not any(p.get("hostPort") for p in c.get("ports", []))
@@ -128,8 +136,13 @@ def test_every_path_the_image_writes_is_a_volume(overlay):
     mounts = _mounts(pod.spec, pod.container)
     img = image()
     writable = {p for p, v in mounts.items() if "configMap" not in v}
-    for path in (img.env["HOME"], img.env["XDG_CACHE_HOME"], img.env["TORCHINDUCTOR_CACHE_DIR"],
-                 img.env["TRITON_CACHE_DIR"], "/tmp"):  # fmt: skip
+    for path in (
+        img.env["HOME"],
+        img.env["XDG_CACHE_HOME"],
+        img.env["TORCHINDUCTOR_CACHE_DIR"],
+        img.env["TRITON_CACHE_DIR"],
+        "/tmp",
+    ):
         assert any(path == w or path.startswith(w + "/") for w in writable), path
     shm = mounts["/dev/shm"]["emptyDir"]
     assert shm["medium"] == "Memory" and _memory(shm["sizeLimit"]) >= 2**28
@@ -202,13 +215,22 @@ def test_network_policy_admits_exactly_the_jobs_own_pods_on_every_tcp_port(overl
 # What each trainer exit code should do. Indexed Job: a config error fails the Job, a signalled
 # (preempted) pod is not counted, a transient failure counts (backoffLimit 0: the Job fails).
 # JobSet: every failure fails the child Job, then the JobSet's rules decide.
-JOB_ACTIONS = {ExitCode.ERROR: "Count", ExitCode.USAGE: "FailJob", ExitCode.PREEMPTED: "Ignore",
-               ExitCode.RETRYABLE: "Count", "DisruptionTarget": "Ignore", 137: "Count"}  # fmt: skip
-JOBSET_ACTIONS = {ExitCode.ERROR: "RestartJobSet", ExitCode.USAGE: "FailJobSet",
-                  ExitCode.PREEMPTED: "RestartJobSetAndIgnoreMaxRestarts",
-                  ExitCode.RETRYABLE: "RestartJobSet",
-                  "DisruptionTarget": "RestartJobSetAndIgnoreMaxRestarts",
-                  137: "RestartJobSet"}  # fmt: skip
+JOB_ACTIONS = {
+    ExitCode.ERROR: "Count",
+    ExitCode.USAGE: "FailJob",
+    ExitCode.PREEMPTED: "Ignore",
+    ExitCode.RETRYABLE: "Count",
+    "DisruptionTarget": "Ignore",
+    137: "Count",
+}
+JOBSET_ACTIONS = {
+    ExitCode.ERROR: "RestartJobSet",
+    ExitCode.USAGE: "FailJobSet",
+    ExitCode.PREEMPTED: "RestartJobSetAndIgnoreMaxRestarts",
+    ExitCode.RETRYABLE: "RestartJobSet",
+    "DisruptionTarget": "RestartJobSetAndIgnoreMaxRestarts",
+    137: "RestartJobSet",
+}
 
 
 def pod_failure_action(job: dict, container: str, failure) -> tuple[str, int | None]:
@@ -234,8 +256,11 @@ def job_failure(job: dict, container: str, failure) -> tuple[str, str] | None:
     action, index = pod_failure_action(job, container, failure)
     if action == "FailJob":
         if isinstance(failure, int):
-            return ("PodFailurePolicy", f"Container {container} for pod ns/pod-0 failed with exit "
-                    f"code {failure} matching FailJob rule at index {index}")  # fmt: skip
+            return (
+                "PodFailurePolicy",
+                f"Container {container} for pod ns/pod-0 failed with exit "
+                f"code {failure} matching FailJob rule at index {index}",
+            )
         return (
             "PodFailurePolicy",
             f"Pod ns/pod-0 has condition {failure} matching FailJob rule at index {index}",
@@ -357,8 +382,14 @@ def test_each_pods_env_becomes_the_right_torchrun_command(overlay):
         gpus = int(pod.container["resources"].get("limits", {}).get("nvidia.com/gpu", 0))
         args = pod.argv(img.entrypoint, img.cmd)
         assert args[0] == "trainer-launch"
-        plan = make_plan(e, split_command(args[1:], e), gpus=gpus, cpus=2, python="python",
-                         probe=lambda node, env: Route(env["POD_IP"], "eth0"))  # fmt: skip
+        plan = make_plan(
+            e,
+            split_command(args[1:], e),
+            gpus=gpus,
+            cpus=2,
+            python="python",
+            probe=lambda node, env: Route(env["POD_IP"], "eth0"),
+        )
         plans.append(plan)
         f = flags(plan)
         conf = dict(kv.split("=", 1) for kv in f["rdzv-conf"].split(","))
@@ -389,8 +420,13 @@ def test_trainer_launch_dry_run_with_a_cpu_smoke_pods_env(tmp_path):
         (tmp_path / "config" / name).write_text(text)
     mounts = {str(Path(config).parent): tmp_path / "config"}
     argv = [kube.on_this_machine(a, mounts) for a in args]
-    p = subprocess.run([str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
-                       env={**env(), **pod.env()}, capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
+        env={**env(), **pod.env()},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert f"--rdzv-endpoint={kube.pods(objs)[0].dns_name}:" in p.stdout
     assert "is_host=0" in p.stdout and f"--local-addr={pod.ip}" in p.stdout
@@ -398,8 +434,13 @@ def test_trainer_launch_dry_run_with_a_cpu_smoke_pods_env(tmp_path):
 
 
 def test_make_k8s_render_writes_every_overlay_and_k8s_apply_refuses_a_bad_overlay(tmp_path):
-    p = subprocess.run(["make", "-s", "k8s-render", f"K8S_OUT={tmp_path}"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    p = subprocess.run(
+        ["make", "-s", "k8s-render", f"K8S_OUT={tmp_path}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert sorted(f.stem for f in tmp_path.glob("*.yaml")) == kube.OVERLAYS
     for overlay in kube.OVERLAYS:
@@ -408,8 +449,13 @@ def test_make_k8s_render_writes_every_overlay_and_k8s_apply_refuses_a_bad_overla
         written = [o for o in yaml.safe_load_all((tmp_path / f"{overlay}.yaml").read_text()) if o]
         assert written == kube.render(overlay)
     for bad in ("", "nope"):
-        p = subprocess.run(["make", "-s", "k8s-apply", f"OVERLAY={bad}"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+        p = subprocess.run(
+            ["make", "-s", "k8s-apply", f"OVERLAY={bad}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert p.returncode == 2
         first = p.stderr.splitlines()[0]
         assert all(o in first for o in kube.OVERLAYS) and f"'{bad}'" in first

@@ -51,8 +51,11 @@ class Cluster:
         self.tmp, self.net = tmp, net
         self.objs = kube.render(OVERLAY)
         self.pods = kube.pods(self.objs, ip=lambda i: net.nodes[i].ip)
-        img = dockerfile.read(ROOT / "docker" / "Dockerfile", {"VARIANT": "cpu"},
-                              base_env={"PATH": os.environ["PATH"]})  # fmt: skip
+        img = dockerfile.read(
+            ROOT / "docker" / "Dockerfile",
+            {"VARIANT": "cpu"},
+            base_env={"PATH": os.environ["PATH"]},
+        )
         self.workspace = tmp / "workspace"
         self.workspace.mkdir()
         self.procs: list[subprocess.Popen | None] = [None] * len(self.pods)
@@ -107,9 +110,16 @@ class Cluster:
     def start(self, i: int) -> None:
         self.starts[i] += 1
         log = open(self.tmp / f"pod{i}-start{self.starts[i]}.log", "w")  # noqa: SIM115
-        self.procs[i] = self.net.popen(i, self.argv[i], own_pids=True, env=self.envs[i],
-                                       cwd=self.workspace, stdout=log, stderr=subprocess.STDOUT,
-                                       preexec_fn=_die_with_this_process)  # fmt: skip
+        self.procs[i] = self.net.popen(
+            i,
+            self.argv[i],
+            own_pids=True,
+            env=self.envs[i],
+            cwd=self.workspace,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_this_process,
+        )
         log.close()
 
     def start_all(self) -> None:
@@ -181,10 +191,24 @@ def reference(tmp_path_factory):
     config_file.write_text(next(iter(kube.one(objs, "ConfigMap")["data"].values())))
     started = time.monotonic()
     p = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "trainer", "train", "--config", str(config_file)],
-        env=env(), cwd=folder, capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "trainer",
+            "train",
+            "--config",
+            str(config_file),
+        ],
+        env=env(),
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     from trainer import config
 
@@ -245,9 +269,12 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
     MAX_RESTARTS, and TRAIN_ARGS that slow each step (same weights) and checkpoint every 10 steps,
     so that the kills land mid-run."""
     pods = kube.pods(kube.render(OVERLAY))
-    extra = {"MAX_RESTARTS": "3", "PYTHONPATH": str(ROOT),
-             "TRAIN_ARGS": "model.name=tests.helpers:slow_mlp model.kwargs.delay=0.03 "
-                           "ckpt.every_steps=10 ckpt.keep_last=100"}  # fmt: skip
+    extra = {
+        "MAX_RESTARTS": "3",
+        "PYTHONPATH": str(ROOT),
+        "TRAIN_ARGS": "model.name=tests.helpers:slow_mlp model.kwargs.delay=0.03 "
+        "ckpt.every_steps=10 ckpt.keep_last=100",
+    }
     with _network(pods) as net:
         cluster = Cluster(tmp_path, net, extra)
         run_dir = cluster.run_dir
@@ -256,15 +283,20 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
         try:
             cluster.start_all()
             # A: lose pod 1 after a checkpoint, recreate it alone.
-            wait_for(lambda: _step(newest()) >= 20, TIMEOUT, "a checkpoint at step 20",
-                     cluster.procs[0])  # fmt: skip
+            wait_for(
+                lambda: _step(newest()) >= 20, TIMEOUT, "a checkpoint at step 20", cluster.procs[0]
+            )
             cluster.kill(1)
             time.sleep(1.0)  # rank 0 cannot take another step (or finish a save) without rank 1
             a_ckpt = newest()
             assert cluster.procs[0].poll() is None, "pod 0 must wait for the lost node"
             cluster.start(1)
-            wait_for(lambda: _step(newest()) >= _step(a_ckpt) + 10, TIMEOUT,
-                     "progress after pod 1 came back", cluster.procs[0])  # fmt: skip
+            wait_for(
+                lambda: _step(newest()) >= _step(a_ckpt) + 10,
+                TIMEOUT,
+                "progress after pod 1 came back",
+                cluster.procs[0],
+            )
             # B: lose pod 0, the rendezvous host: the survivor exits by itself; recreate both.
             cluster.kill(0)
             b_ckpt, lost = newest(), time.monotonic()
@@ -288,6 +320,8 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
     ref = json.loads((reference / "summary.json").read_text())
     assert summary["world_size"] == len(pods) and summary["steps"] == ref["steps"]
     worst = _assert_same_weights(run_dir, reference)
-    print(f"A: pod 1 lost after {a_ckpt}, recreated alone, group resumed from it; B: pod 0 lost "
-          f"after {b_ckpt}, pod 1 exited {survivor} {survivor_s:.1f} s later, both recreated, "
-          f"resumed; done in {wall:.1f} s, max |dw| vs the local run {worst:g}")  # fmt: skip
+    print(
+        f"A: pod 1 lost after {a_ckpt}, recreated alone, group resumed from it; B: pod 0 lost "
+        f"after {b_ckpt}, pod 1 exited {survivor} {survivor_s:.1f} s later, both recreated, "
+        f"resumed; done in {wall:.1f} s, max |dw| vs the local run {worst:g}"
+    )

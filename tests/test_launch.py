@@ -404,7 +404,7 @@ def test_exit_code_prefers_the_ranks_codes_over_torchruns(tmp_path):
 
 def test_a_signal_before_torchrun_starts_means_it_never_starts():
     signals = launch.Forwarder()
-    signals.received.append(signal.SIGTERM)  # e.g. the pod was deleted during the preflight
+    signals.received.append(signal.SIGTERM)  # e.g. the pod was deleted during the config check
     never = launch.Plan(argv=("/nonexistent/torchrun",), env={}, unset=(), child=True, summary="")
     assert launch.run_child(never, signals) == 128 + signal.SIGTERM
 
@@ -454,8 +454,13 @@ def test_bad_override_is_one_line_and_exit_2_before_torchrun(tmp_path):
     assert p.stdout == "" and time.monotonic() - t < 30  # torchrun never started
 
 
-@pytest.mark.parametrize("nodes", [{"NPROC_PER_NODE": "2"}, {"NNODES": "2", "NODE_RANK": "1",
-                                    "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "2"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "nodes",
+    [
+        {"NPROC_PER_NODE": "2"},
+        {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "127.0.0.1", "NPROC_PER_NODE": "2"},
+    ],
+)
 def test_a_batch_that_does_not_split_over_the_job_is_exit_2_before_torchrun(tmp_path, nodes):
     world = int(nodes.get("NNODES", "1")) * 2
     p = launcher(["--dry-run", "data.global_batch_size=6"], cwd=tmp_path, **nodes)

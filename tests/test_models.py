@@ -18,7 +18,7 @@ def test_every_registered_model_builds_and_runs(name):
 
 @pytest.mark.parametrize("name", sorted(registry.DATASETS))
 def test_every_registered_dataset_resolves(name):
-    assert callable(registry.resolve("data.name", name))
+    assert callable(registry.factory("data.name", name))
 
 
 def test_lenet_at_28px_is_d2l_lenet():
@@ -128,14 +128,16 @@ def test_sync_bn_converts_every_batchnorm_and_keeps_its_state():
 
 
 def test_sync_bn_on_cpu_is_a_one_line_usage_error_and_world_1_leaves_bn_alone():
-    from trainer.dist import DistEnv
-    from trainer.strategy import wrap
+    from trainer import strategy
+    from trainer.ranks import World
 
     net = build(ModelConfig(name="resnet18"), (3, 8, 8), 10)
-    assert wrap(net, "none", DistEnv(), "cpu", sync_bn=True) is net
+    one = strategy.choose("auto", World(), sync_bn=True)
+    assert one.name == "none" and one.wrap(net, World()) is net
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in net.modules())
-    two = DistEnv(rank=0, world_size=2, local_world_size=2, master_addr="x", master_port=1)
+    two = World(rank=0, size=2, local_size=2, master_addr="x", master_port=1)
+    ddp = strategy.choose("auto", two, sync_bn=True)
     with pytest.raises(
         UsageError, match="model.sync_bn=true needs CUDA devices.*model.sync_bn=false"
     ):
-        wrap(net, "ddp", two, "cpu", sync_bn=True)
+        ddp.wrap(net, two)

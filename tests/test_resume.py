@@ -65,8 +65,14 @@ def test_sigkill_then_rerun_gives_bitwise_the_same_weights(uninterrupted_w1, tmp
 def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2, tmp_path, world):
     run_dir = tmp_path / "run"
     src = uninterrupted_w2 / "checkpoints" / "step-000000030"
-    p = trainer("train", *BASE, "model.kwargs.delay=0", f"run_dir={run_dir}", f"ckpt.resume={src}",
-                nproc=None if world == 1 else world)  # fmt: skip
+    p = trainer(
+        "train",
+        *BASE,
+        "model.kwargs.delay=0",
+        f"run_dir={run_dir}",
+        f"ckpt.resume={src}",
+        nproc=None if world == 1 else world,
+    )
     assert "world size 2 -> " + str(world) in p.stdout
     ref, got = train_losses(uninterrupted_w2), train_losses(run_dir)
     assert sorted(got) == list(range(31, 70))
@@ -81,8 +87,14 @@ def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2,
 def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterrupted_w2, tmp_path):
     run_dir, status = tmp_path / "run", tmp_path / "status"
     status.mkdir()
-    proc = spawn("train", *BASE, "model.kwargs.delay=0.05", f"run_dir={run_dir}", nproc=2,
-                 extra_env={"TRAINER_STATUS_DIR": str(status)})  # fmt: skip
+    proc = spawn(
+        "train",
+        *BASE,
+        "model.kwargs.delay=0.05",
+        f"run_dir={run_dir}",
+        nproc=2,
+        extra_env={"TRAINER_STATUS_DIR": str(status)},
+    )
     metrics = run_dir / "metrics.jsonl"
     wait_for(lambda: metrics.exists() and len(read_jsonl(metrics)) >= 5, 120, "5 steps", proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both workers

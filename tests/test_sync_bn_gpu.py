@@ -21,29 +21,31 @@ STEPS = 6
 def _train(rank: int, world: int, port: int, sync_bn: bool, out: str) -> None:
     import torch.distributed as dist
 
+    from trainer import strategy
     from trainer.config import ModelConfig
-    from trainer.dist import DistEnv
     from trainer.models import build
+    from trainer.ranks import World
     from trainer.sampler import rank_chunk
-    from trainer.strategy import wrap
 
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     torch.cuda.set_device(0)
-    denv = DistEnv()
+    me = World(device="cuda:0", backend="gloo")
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        denv = DistEnv(
+        me = World(
             rank=rank,
-            world_size=world,
-            local_world_size=world,
+            size=world,
+            local_size=world,
             master_addr="127.0.0.1",
             master_port=port,
+            device="cuda:0",
+            backend="gloo",
         )
     torch.manual_seed(0)
     model = build(ModelConfig(name="vgg11"), (3, 8, 8), 4).cuda()
-    model = wrap(model, "ddp" if world > 1 else "none", denv, "cuda:0", sync_bn=sync_bn)
+    model = strategy.choose("auto", me, sync_bn=sync_bn).wrap(model, me)
     synced = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)

@@ -33,11 +33,18 @@ def torchx(*args: str, tmp_path: Path, check: bool = True, timeout: float = 240)
     """The `torchx` CLI from the repo root with only the repo's .torchxconfig (not ~/.torchxconfig)."""
     e = env(TORCHXCONFIG=str(ROOT / ".torchxconfig"))
     e["PATH"] = os.pathsep.join([str(BIN), e["PATH"]])  # local_cwd's `bash -c "torchrun ..."`
-    p = subprocess.run([str(BIN / "torchx"), *args], cwd=ROOT, env=e, capture_output=True,
-                       text=True, timeout=timeout)  # fmt: skip
+    p = subprocess.run(
+        [str(BIN / "torchx"), *args],
+        cwd=ROOT,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if check and p.returncode != 0:
-        raise AssertionError(f"torchx {' '.join(args)} exited {p.returncode}\n"
-                             f"{p.stdout[-3000:]}\n{p.stderr[-4000:]}")  # fmt: skip
+        raise AssertionError(
+            f"torchx {' '.join(args)} exited {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-4000:]}"
+        )
     return p
 
 
@@ -95,25 +102,50 @@ def test_component_on_local_cwd_trains_the_default_preset_on_two_ranks(tmp_path)
     from trainer.config import DEFAULT_PRESET
 
     run = tmp_path / "run"
-    p = torchx("run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", COMPONENT,
-               "--nproc_per_node", "2", "log.progress=plain", f"run_dir={run}",
-               tmp_path=tmp_path)  # fmt: skip
+    p = torchx(
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={tmp_path / 'logs'}",
+        COMPONENT,
+        "--nproc_per_node",
+        "2",
+        "log.progress=plain",
+        f"run_dir={run}",
+        tmp_path=tmp_path,
+    )
     assert "Job finished: SUCCEEDED" in p.stderr
     s = summary(run)
     assert s["name"] == DEFAULT_PRESET and s["restart_count"] == 0
     assert s["world_size"] == 2 and len(s["hostnames"]) == 2 and s["strategy"] == "ddp"
     # trainer/conf/digits-mlp.yaml: test accuracy 0.975-0.981 over model seeds 0-4 (seed 0 here).
     assert s["eval"]["count"] == 359 and s["eval"]["accuracy"] >= 0.975
-    print(f"component, local_cwd, {DEFAULT_PRESET} on 2 ranks: accuracy "
-          f"{s['eval']['accuracy']:.4f}, {s['steps']} steps, trainer wall {s['wall_s']:.1f} s")  # fmt: skip
+    print(
+        f"component, local_cwd, {DEFAULT_PRESET} on 2 ranks: accuracy "
+        f"{s['eval']['accuracy']:.4f}, {s['steps']} steps, trainer wall {s['wall_s']:.1f} s"
+    )
 
 
 @pytest.mark.slow
 def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_runs):
     run = tmp_path / "run"
-    torchx("run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", "dist.ddp",
-           "-j", "1x2", "-m", "trainer", "train", *MATCHES_TORCHRUN, f"run_dir={run}",
-           tmp_path=tmp_path)  # fmt: skip
+    torchx(
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={tmp_path / 'logs'}",
+        "dist.ddp",
+        "-j",
+        "1x2",
+        "-m",
+        "trainer",
+        "train",
+        *MATCHES_TORCHRUN,
+        f"run_dir={run}",
+        tmp_path=tmp_path,
+    )
     s = summary(run)
     assert s["world_size"] == 2 and len(s["hostnames"]) == 2
     assert_same_numbers(run, reference_runs(2))
@@ -123,9 +155,22 @@ def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_run
 def test_max_restarts_restarts_the_worker_group_in_place(tmp_path, reference_runs):
     # Also: the component on local_cwd computes exactly what plain torchrun does.
     run = tmp_path / "run"
-    p = torchx("run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", COMPONENT,
-               "--nproc_per_node", "2", "--max_restarts", "1", *MATCHES_TORCHRUN,
-               f"model.name={__name__}:fail_once_mlp", f"run_dir={run}", tmp_path=tmp_path)  # fmt: skip
+    p = torchx(
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={tmp_path / 'logs'}",
+        COMPONENT,
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "1",
+        *MATCHES_TORCHRUN,
+        f"model.name={__name__}:fail_once_mlp",
+        f"run_dir={run}",
+        tmp_path=tmp_path,
+    )
     assert "injected failure: rank 1, first attempt" in p.stdout + p.stderr
     s = summary(run)
     assert s["restart_count"] == 1 and s["world_size"] == 2
@@ -137,21 +182,55 @@ def test_max_restarts_restarts_the_worker_group_in_place(tmp_path, reference_run
 # Dry runs: what TorchX would submit to Kubernetes (Volcano) and to Docker.
 
 
-K8S = dict(config="digits-lenet", image="registry.example/trainer:cuda-1", nnodes=2,
-           nproc_per_node=4, cpu=16, gpu=4, memMB=64000, max_restarts=2,
-           claim="team-runs", dst="/workspace/runs", queue="team-a")  # fmt: skip
+K8S = dict(
+    config="digits-lenet",
+    image="registry.example/trainer:cuda-1",
+    nnodes=2,
+    nproc_per_node=4,
+    cpu=16,
+    gpu=4,
+    memMB=64000,
+    max_restarts=2,
+    claim="team-runs",
+    dst="/workspace/runs",
+    queue="team-a",
+)
 OVERRIDES = ["optim.lr=0.01", "train.epochs=3"]
 
 
 def k8s_dryrun(tmp_path) -> dict:
     k = K8S
-    p = torchx("run", "--dryrun", "-s", "kubernetes", "-cfg", f"queue={k['queue']}", COMPONENT,
-               "--config", k["config"], "--image", k["image"], "--nnodes", str(k["nnodes"]),
-               "--nproc_per_node", str(k["nproc_per_node"]), "--cpu", str(k["cpu"]),
-               "--gpu", str(k["gpu"]), "--memMB", str(k["memMB"]),
-               "--max_restarts", str(k["max_restarts"]),
-               "--mounts", f"type=volume,src={k['claim']},dst={k['dst']}",
-               "--env", "NCCL_DEBUG=INFO", *OVERRIDES, tmp_path=tmp_path)  # fmt: skip
+    p = torchx(
+        "run",
+        "--dryrun",
+        "-s",
+        "kubernetes",
+        "-cfg",
+        f"queue={k['queue']}",
+        COMPONENT,
+        "--config",
+        k["config"],
+        "--image",
+        k["image"],
+        "--nnodes",
+        str(k["nnodes"]),
+        "--nproc_per_node",
+        str(k["nproc_per_node"]),
+        "--cpu",
+        str(k["cpu"]),
+        "--gpu",
+        str(k["gpu"]),
+        "--memMB",
+        str(k["memMB"]),
+        "--max_restarts",
+        str(k["max_restarts"]),
+        "--mounts",
+        f"type=volume,src={k['claim']},dst={k['dst']}",
+        "--env",
+        "NCCL_DEBUG=INFO",
+        *OVERRIDES,
+        tmp_path=tmp_path,
+    )
     return yaml.safe_load(p.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
 
 
@@ -177,8 +256,11 @@ def test_kubernetes_dryrun_is_a_volcano_job_running_the_trainer_under_torchrun(t
         assert flags["--rdzv_id"] == app_id and flags["--rdzv_backend"] == "c10d"
         assert worker_argv(argv) == expected_worker(app_id, k["config"], OVERRIDES)
         limits = c["resources"]["limits"]
-        assert limits == {"cpu": f"{k['cpu'] * 1000}m", "memory": f"{k['memMB']}M",
-                          "nvidia.com/gpu": str(k["gpu"])}  # fmt: skip
+        assert limits == {
+            "cpu": f"{k['cpu'] * 1000}m",
+            "memory": f"{k['memMB']}M",
+            "nvidia.com/gpu": str(k["gpu"]),
+        }
         e = {v["name"]: v["value"] for v in c["env"]}
         assert TORCH_ENV.items() <= e.items()
         assert e["PET_MAX_RESTARTS"] == str(k["max_restarts"]) and e["NCCL_DEBUG"] == "INFO"
@@ -210,8 +292,9 @@ def docker_dryrun(*args: str):
     cfg: dict = {}
     config.apply("local_docker", cfg, dirs=[str(ROOT)])
     with get_runner() as runner:
-        info = runner.dryrun_component(f"{ROOT}/{COMPONENT}", list(args), "local_docker",
-                                       cfg=cfg, workspace=None)  # fmt: skip
+        info = runner.dryrun_component(
+            f"{ROOT}/{COMPONENT}", list(args), "local_docker", cfg=cfg, workspace=None
+        )
     return info.request
 
 
@@ -222,10 +305,23 @@ def test_local_docker_dryrun_containers(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHXCONFIG", str(ROOT / ".torchxconfig"))  # this file alone
     data = tmp_path / "data"
     nnodes, nproc, cpu, gpu, mem = 2, 2, 3, 2, 6144
-    req = docker_dryrun("--image", "trainer:cpu", "--nnodes", str(nnodes), "--nproc_per_node",
-                        str(nproc), "--cpu", str(cpu), "--gpu", str(gpu), "--memMB", str(mem),
-                        "--mounts", f"type=bind,src={data},dst=/workspace/data,readonly",
-                        *OVERRIDES)  # fmt: skip
+    req = docker_dryrun(
+        "--image",
+        "trainer:cpu",
+        "--nnodes",
+        str(nnodes),
+        "--nproc_per_node",
+        str(nproc),
+        "--cpu",
+        str(cpu),
+        "--gpu",
+        str(gpu),
+        "--memMB",
+        str(mem),
+        "--mounts",
+        f"type=bind,src={data},dst=/workspace/data,readonly",
+        *OVERRIDES,
+    )
     assert len(req.containers) == nnodes
     rank0 = req.containers[0].kwargs["name"]
     for c in req.containers:
@@ -244,16 +340,24 @@ def test_local_docker_dryrun_containers(tmp_path, monkeypatch):
         assert kw["environment"]["NCCL_DEBUG"] == "INFO"
         (m,) = kw["mounts"]
         assert (m["Type"], m["Source"], m["Target"], m["ReadOnly"]) == (
-            "bind", str(data), "/workspace/data", True)  # fmt: skip
+            "bind",
+            str(data),
+            "/workspace/data",
+            True,
+        )
 
 
 def image_run(command: list[str], container_env: dict[str, str], workspace: Path):
     """argv and env of a `docker run IMAGE COMMAND...` of docker/Dockerfile's CPU image, with the
     image's paths mapped to this machine (/opt/venv -> this venv, /workspace -> `workspace`)."""
-    image = dockerfile.read(ROOT / "docker" / "Dockerfile", {"VARIANT": "cpu"},
-                            base_env={"PATH": os.environ["PATH"]})  # fmt: skip
-    mapping = {image.env["VIRTUAL_ENV"]: sys.prefix, image.env["HOME"]: str(workspace / "home"),
-               image.workdir: str(workspace)}  # fmt: skip
+    image = dockerfile.read(
+        ROOT / "docker" / "Dockerfile", {"VARIANT": "cpu"}, base_env={"PATH": os.environ["PATH"]}
+    )
+    mapping = {
+        image.env["VIRTUAL_ENV"]: sys.prefix,
+        image.env["HOME"]: str(workspace / "home"),
+        image.workdir: str(workspace),
+    }
     e = env()
     for key, value in {**image.env, **container_env}.items():
         for image_path, local in mapping.items():
@@ -267,8 +371,9 @@ def image_run(command: list[str], container_env: dict[str, str], workspace: Path
 def test_local_docker_container_command_runs_through_the_image_entrypoint(tmp_path, reference_runs):
     # Docker appends TorchX's command to the image's ENTRYPOINT (trainer-launch), which must run
     # it as is: `trainer-launch bash -c "torchrun ..."`.
-    (c,) = docker_dryrun("--image", "trainer:cpu", "--nproc_per_node", "2", *MATCHES_TORCHRUN,
-                         "run_dir=runs/docker").containers  # fmt: skip
+    (c,) = docker_dryrun(
+        "--image", "trainer:cpu", "--nproc_per_node", "2", *MATCHES_TORCHRUN, "run_dir=runs/docker"
+    ).containers
     argv, e = image_run(c.command, c.kwargs["environment"], tmp_path)
     p = subprocess.run(argv, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
@@ -279,7 +384,8 @@ def test_local_docker_container_command_runs_through_the_image_entrypoint(tmp_pa
 
 
 def test_entrypoint_runs_any_executable_as_is_and_trainer_subcommands_as_before():
-    from trainer.launch import make_plan, split_command, trainer_commands
+    from trainer.cli import COMMANDS
+    from trainer.launch import make_plan, split_command
 
     path = {"PATH": os.environ["PATH"]}
     command = ["bash", "-c", "torchrun --nnodes 1 -m trainer train"]
@@ -287,7 +393,7 @@ def test_entrypoint_runs_any_executable_as_is_and_trainer_subcommands_as_before(
     assert c.as_is and not c.distributed
     p = make_plan(path, c, gpus=0, cpus=2, python=sys.executable)
     assert list(p.argv) == command and not p.child and not p.env
-    assert "train" in trainer_commands() and "config" in trainer_commands()
+    assert "train" in COMMANDS and "config" in COMMANDS
     assert split_command(["config", "show"], path).trainer_args == ("config", "show")
     assert split_command(["no-such-program-here"], path).trainer_args == ("no-such-program-here",)
     assert split_command(["optim.lr=1"], path).trainer_args == ("train", "optim.lr=1")
@@ -331,8 +437,18 @@ def test_help_shows_the_docstring(tmp_path):
     ],
 )
 def test_mistakes_stop_before_submitting_in_one_line(tmp_path, args, fragment):
-    p = torchx("run", "--dryrun", "-s", "kubernetes", "-cfg", "queue=q", COMPONENT, *args,
-               tmp_path=tmp_path, check=False)  # fmt: skip
+    p = torchx(
+        "run",
+        "--dryrun",
+        "-s",
+        "kubernetes",
+        "-cfg",
+        "queue=q",
+        COMPONENT,
+        *args,
+        tmp_path=tmp_path,
+        check=False,
+    )
     assert p.returncode == 2, p.stderr[-2000:]
     assert fragment in p.stderr and "Traceback" not in p.stderr
     assert "SCHEDULER REQUEST" not in p.stdout

@@ -8,16 +8,22 @@ import torch
 
 from tests.helpers import read_jsonl, trainer, weights
 from trainer import config
-from trainer.loop import TrainStep, make_scaler
 from trainer.optim import Schedule, build_optimizer, build_scheduler
+from trainer.step import TrainStep, make_scaler
 
 
 def _setup(**train):
     cfg = config.load(
         None,
-        [*(f"train.{k}={v}" for k, v in train.items()), "optim.name=sgd", "optim.lr=0.1",
-         "optim.weight_decay=0", "sched.name=none", "sched.warmup_steps=0"],
-    )  # fmt: skip
+        [
+            *(f"train.{k}={v}" for k, v in train.items()),
+            "optim.name=sgd",
+            "optim.lr=0.1",
+            "optim.weight_decay=0",
+            "sched.name=none",
+            "sched.warmup_steps=0",
+        ],
+    )
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Flatten(), torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
@@ -25,7 +31,12 @@ def _setup(**train):
     opt = build_optimizer(cfg.optim, model.parameters())
     sched = build_scheduler(cfg.sched, opt, 10, 100)
     step = TrainStep(
-        cfg.train, model, opt, sched, make_scaler(cfg.train, "cpu"), "classification", 1, "cpu"
+        cfg=cfg.train,
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=make_scaler(cfg.train, "cpu"),
+        task="classification",
     )
     return step, model
 
@@ -56,14 +67,16 @@ def test_micro_steps_all_reduce_once_per_step():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.helpers import free_port
+    from trainer.strategy import DDP as DDPStrategy
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
         calls = {}
         for micro in (None, 1, 5):
             step, model = _setup(**({"micro_batch_size": micro} if micro else {}))
-            step.model = DDP(model)
+            step.model, step.strategy = DDP(model), DDPStrategy()
             calls[micro] = 0
 
             def hook(_state, bucket, micro=micro):
@@ -141,15 +154,31 @@ def test_channels_last_conv_step_matches():
         if cl:
             model = model.to(memory_format=torch.channels_last)
         opt = build_optimizer(cfg.optim, model.parameters())
-        step = TrainStep(cfg.train, model, opt, build_scheduler(cfg.sched, opt, 1, 1), make_scaler(cfg.train, "cpu"),
-                         "classification", 1, "cpu")  # fmt: skip
+        sched = build_scheduler(cfg.sched, opt, 1, 1)
+        scaler = make_scaler(cfg.train, "cpu")
+        step = TrainStep(
+            cfg=cfg.train,
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            scaler=scaler,
+            task="classification",
+        )
         outs.append((step(x, y, 8).item(), model))
     assert outs[1][1][0].weight.is_contiguous(memory_format=torch.channels_last)
     assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)
 
 
-TINY = ["data.name=tests.helpers:tiny", "model.name=tests.helpers:tiny_model", "data.global_batch_size=4",
-        "train.epochs=4", "optim.name=sgd", "optim.lr=0.1", "log.every_steps=1", "log.progress=none"]  # fmt: skip
+TINY = [
+    "data.name=tests.helpers:tiny",
+    "model.name=tests.helpers:tiny_model",
+    "data.global_batch_size=4",
+    "train.epochs=4",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "log.every_steps=1",
+    "log.progress=none",
+]
 
 
 @pytest.mark.slow
@@ -203,13 +232,16 @@ def test_compiled_model_trains_and_saves_plain_weights(tmp_path):
 
 @pytest.mark.parametrize(
     "every, steps",
-    [(["train.eval_every_steps=5"], [5, 10, 12]), (["train.eval_every_epochs=2"], [6, 12]),
-     (["train.eval_every_epochs=1"], [3, 6, 9, 12])],
-)  # fmt: skip
+    [
+        (["train.eval_every_steps=5"], [5, 10, 12]),
+        (["train.eval_every_epochs=2"], [6, 12]),
+        (["train.eval_every_epochs=1"], [3, 6, 9, 12]),
+    ],
+)
 def test_evaluation_every_n_steps_or_epochs_and_always_at_the_end(tmp_path, every, steps):
-    from trainer.train import run
+    from trainer.train import train
 
-    run(config.load(None, [*TINY, *every, f"run_dir={tmp_path}"]))
+    train(config.load(None, [*TINY, *every, f"run_dir={tmp_path}"]))
     evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == steps
     assert all(r["eval.count"] == 7 for r in evals)  # every test sample, each time

@@ -9,7 +9,7 @@ import torch
 from tests import fakes
 from tests.helpers import read_jsonl
 from trainer import config
-from trainer.train import run
+from trainer.train import train
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,7 @@ def _fit(tmp_path, *overrides: str) -> tuple[list[float], dict]:
         ],
     )
     with redirect_stdout(io.StringIO()):
-        summary = run(cfg)
+        summary = train(cfg)
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     return [r["loss"] for r in records if r["kind"] == "train"], summary
 
@@ -58,9 +58,15 @@ def disk(tmp_path_factory):
     return root
 
 
-SYNTHETIC_8PX = ["data.name=synthetic", "data.synthetic.shape=[3,8,8]", "data.synthetic.size=32",
-                 "data.synthetic.test_size=16", "data.global_batch_size=16", "optim.lr=0.001",
-                 "train.epochs=6"]  # fmt: skip
+SYNTHETIC_8PX = [
+    "data.name=synthetic",
+    "data.synthetic.shape=[3,8,8]",
+    "data.synthetic.size=32",
+    "data.synthetic.test_size=16",
+    "data.global_batch_size=16",
+    "optim.lr=0.001",
+    "train.epochs=6",
+]
 
 
 @pytest.mark.parametrize(

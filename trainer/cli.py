@@ -16,6 +16,10 @@ EXIT_CODES = """exit codes:
   4  transient failure (peer lost, timeout, I/O); a retry may succeed"""
 
 
+COMMANDS = ("train", "eval", "export", "doctor", "config")
+"""The subcommands (trainer-launch runs `train` under torchrun and the others once)."""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -107,11 +111,12 @@ def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") in ("", "0")
 
 
-def _cmd_train(args) -> int:
+def load_config(args):
+    """The Config the parsed arguments describe: --config (or --from RUN_DIR) and overrides."""
     from trainer import config
 
     overrides = args.overrides
-    if args.from_run:
+    if getattr(args, "from_run", None):
         if args.config:
             raise UsageError("use --from RUN_DIR or --config, not both")
         if not os.path.isfile(os.path.join(args.from_run, "config.yaml")):
@@ -120,40 +125,45 @@ def _cmd_train(args) -> int:
             )
         args.config = args.from_run
         overrides = [f"run_dir={os.path.join(args.from_run, 'rerun')}", *overrides]
-    cfg = config.load(args.config, overrides)
+    return config.load(args.config, overrides)
+
+
+def _cmd_train(args) -> int:
+    cfg = load_config(args)
     from trainer.signals import StopSignal
 
     # Installed before the heavy imports: a SIGTERM during setup is honoured, not fatal.
     with StopSignal() as stop:
-        from trainer.train import run
+        from trainer.train import train
 
-        run(cfg, dry_run=args.dry_run, stop=stop)
+        train(cfg, dry_run=args.dry_run, stop=stop)
     return ExitCode.OK
 
 
 def _config_for(src: str, args):
     """The config that produced `src` (its config.yaml), unless --config names another."""
-    from trainer import checkpoint, config
+    from trainer import config
+    from trainer.checkpoint.weights import find_config
 
-    found = None if args.config else checkpoint.find_config(src)
+    found = None if args.config else find_config(src)
     return config.load(args.config or found, args.overrides)
 
 
 def _cmd_eval(args) -> int:
     import json
 
-    from trainer import evaluate
+    from trainer.evaluate import evaluate_saved
 
-    result = evaluate.run(_config_for(args.src, args), args.src)
+    result = evaluate_saved(_config_for(args.src, args), args.src)
     if _is_rank0():
         print(json.dumps(result))
     return ExitCode.OK
 
 
 def _cmd_export(args) -> int:
-    from trainer import checkpoint
+    from trainer.checkpoint.weights import export
 
-    print(f"exported {checkpoint.export(args.src, args.out)}")
+    print(f"exported {export(args.src, args.out)}")
     return ExitCode.OK
 
 
@@ -195,10 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _main(argv: list[str] | None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The subcommand's arguments; key=value overrides may come before or after its options."""
     parser = build_parser()
-    # key=value overrides may come before or after options (argparse alone cannot interleave).
-    args, extra = parser.parse_known_args(argv)
+    args, extra = parser.parse_known_args(argv)  # argparse alone cannot interleave them
     if extra:
         bad = [
             a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")
@@ -206,6 +216,11 @@ def _main(argv: list[str] | None) -> int:
         if bad:
             parser.error(f"unrecognized arguments: {' '.join(bad)}")
         args.overrides = [*args.overrides, *extra]
+    return args
+
+
+def _main(argv: list[str] | None) -> int:
+    args = parse(argv)
     try:
         return int(args.func(args))
     except TrainerError as e:

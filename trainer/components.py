@@ -103,7 +103,7 @@ def train(
         "(or no GPUs and dist.device=cpu)",
     )
     args = ["train", "--config", config, f"run_dir=runs/{specs.macros.app_id}", *overrides]
-    _preflight(config, args[3:], world_size=nnodes * nproc)
+    _check_config(config, args[3:], world_size=nnodes * nproc)
 
     role_env = dict(TORCH_ENV)
     role_env["PET_MAX_RESTARTS"] = str(max_restarts)
@@ -135,7 +135,7 @@ def _check(ok: bool, message: str) -> None:
         raise SystemExit(2)
 
 
-def _preflight(config: str, overrides: List[str], world_size: int) -> None:
+def _check_config(config: str, overrides: List[str], world_size: int) -> None:
     """Load the config here, so a typo fails now rather than in a pod after scheduling.
 
     TorchX macros (${app_id}, ...) get sample values first. A config file that exists only inside

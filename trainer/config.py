@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
 
-from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean
+from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean, first_line
 
 DEFAULT_PRESET = "digits-mlp"
 
@@ -284,12 +284,6 @@ class ReproConfig:
     and no benchmark, CUBLAS_WORKSPACE_CONFIG). Slower on GPU; CPU runs are bitwise anyway."""
 
 
-def ckpt_dir(cfg) -> str:
-    """ckpt.dir, defaulting to <run_dir>/checkpoints (kept unresolved so a re-run under another
-    run_dir never resumes from the original run's checkpoints)."""
-    return os.path.abspath(cfg.ckpt.dir or os.path.join(cfg.run_dir, "checkpoints"))
-
-
 @dataclass(kw_only=True)
 class Config:
     name: str = DEFAULT_PRESET
@@ -339,7 +333,7 @@ def _read_yaml(text: str, source: str):
     try:
         node = OmegaConf.create(text)
     except Exception as e:  # yaml.YAMLError and OmegaConf's own grammar errors
-        raise UsageError(f"{source}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise UsageError(f"{source}: not valid YAML ({first_line(e)})") from None
     if not isinstance(node, DictConfig):
         raise UsageError(f"{source}: must be a YAML mapping of config keys")
     return node
@@ -379,9 +373,7 @@ def _cli_layer(overrides: list[str]):
     try:
         return ("command line", OmegaConf.from_dotlist(list(overrides)))
     except Exception as e:
-        raise UsageError(
-            f"command line: cannot parse overrides ({str(e).splitlines()[0]})"
-        ) from None
+        raise UsageError(f"command line: cannot parse overrides ({first_line(e)})") from None
 
 
 def _valid_keys(schema, full_key: str) -> list[str]:
@@ -405,8 +397,7 @@ def _merge_error(e: Exception, schema, source: str) -> UsageError:
         return UsageError(
             f"{source}: unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}"
         )
-    msg = str(e).splitlines()[0]
-    return UsageError(f"{source}: {key}: {msg}")
+    return UsageError(f"{source}: {key}: {first_line(e)}")
 
 
 def load(config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:

@@ -43,13 +43,13 @@ def _stats(values: Sequence[float] | None) -> torch.Tensor | None:
     return None if values is None else torch.tensor(list(values), dtype=torch.float32)
 
 
-def _on(t: torch.Tensor | None, device) -> torch.Tensor | None:
+def _moved(t: torch.Tensor | None, device) -> torch.Tensor | None:
     return None if t is None else t.to(device)
 
 
-def _finisher(data: Split, device: str):
-    """to-float-and-normalise for one pass, with the statistics copied to the device once."""
-    mean, std = _on(data.mean, device), _on(data.std, device)
+def _float_converter(data: Split, device: str):
+    """pixels_to_float for one pass over `data`, its statistics copied to the device once."""
+    mean, std = _moved(data.mean, device), _moved(data.std, device)
     return lambda x: pixels_to_float(x, mean, std)
 
 
@@ -110,7 +110,7 @@ class ArrayDataset(torch.utils.data.Dataset):
         if self.x.device == torch.device(device):
             return self
         moved = ArrayDataset(self.x.to(device), self.y.to(device))
-        moved.mean, moved.std = _on(self.mean, device), _on(self.std, device)
+        moved.mean, moved.std = _moved(self.mean, device), _moved(self.std, device)
         return moved
 
 
@@ -157,7 +157,7 @@ class DataSpec:
 
 def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
     """The dataset `data.name`, delivering batches to `device` as data.* asks."""
-    spec = registry.resolve("data.name", cfg.name)(cfg, seed)
+    spec = registry.factory("data.name", cfg.name)(cfg, seed)
     if not isinstance(spec, DataSpec):
         raise UsageError(
             f"data.name: factory '{cfg.name}' returned {type(spec).__name__}, not trainer.data.DataSpec"
@@ -189,7 +189,7 @@ def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
 
 
 def train_batches(
-    spec: DataSpec, plan: sampler.EpochPlan, rank: int, world: int, start: int = 0
+    spec: DataSpec, plan: sampler.EpochPlan, rank: int, world_size: int, start: int = 0
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
     """Yield (step_in_epoch, x, y, global_batch_size) for this rank, from step `start` on.
 
@@ -198,54 +198,54 @@ def train_batches(
     """
     opts = spec.loader
     pad = opts.crop_padding if opts.augment else None
-    finish = _finisher(spec.train, opts.device)
+    to_float = _float_converter(spec.train, opts.device)
     if opts.device_resident:
         order = torch.from_numpy(plan.order()).to(opts.device)  # one copy per epoch
-        for step, lo, hi, count in plan.rank_spans(rank, world, start):
+        for step, lo, hi, count in plan.rank_spans(rank, world_size, start):
             idx = order[lo:hi]
             x, y = spec.train.take(idx)
             if pad is not None:
                 x = crop_flip(x, idx, plan.seed, plan.epoch, pad)
-            yield step, finish(x), y, count
+            yield step, to_float(x), y, count
         return
-    steps = list(plan.rank_batches(rank, world, start))
+    steps = list(plan.rank_batches(rank, world_size, start))
     keys = [(plan.seed, plan.epoch, idx) for _, idx, _ in steps]
     for (step, _, count), (x, y) in zip(
-        steps, _fetched(spec, "train", rank, world, keys), strict=True
+        steps, _fetched(spec, "train", rank, world_size, keys), strict=True
     ):
         x, y = _to_device(x, y, opts)
-        yield step, finish(x), y, count
+        yield step, to_float(x), y, count
 
 
 def eval_batches(
-    spec: DataSpec, batch: int, rank: int, world: int
+    spec: DataSpec, batch: int, rank: int, world_size: int
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Yield (x, y) for this rank over the test split; over all ranks, each sample exactly once."""
     opts = spec.loader
-    finish = _finisher(spec.test, opts.device)
+    to_float = _float_converter(spec.test, opts.device)
     if opts.device_resident:
-        for lo, hi in sampler.eval_spans(len(spec.test), batch, rank, world):
+        for lo, hi in sampler.eval_spans(len(spec.test), batch, rank, world_size):
             x, y = spec.test.x[lo:hi], spec.test.y[lo:hi]  # views: nothing is copied
-            yield finish(x), y
+            yield to_float(x), y
         return
-    keys = [(0, None, idx) for idx in sampler.eval_batches(len(spec.test), batch, rank, world)]
-    for x, y in _fetched(spec, "test", rank, world, keys):
+    keys = [(0, None, idx) for idx in sampler.eval_batches(len(spec.test), batch, rank, world_size)]
+    for x, y in _fetched(spec, "test", rank, world_size, keys):
         x, y = _to_device(x, y, opts)
-        yield finish(x), y
+        yield to_float(x), y
 
 
-def _fetched(spec: DataSpec, split: str, rank: int, world: int, keys: list):
+def _fetched(spec: DataSpec, split: str, rank: int, world_size: int, keys: list):
     """The host batches for `keys`, fetched in this process or by a DataLoader.
 
     Without workers or pinning a DataLoader adds only overhead (about 80 us a batch here), so
-    the batches are fetched directly; both ways run the same _Fetch, so the tensors are equal.
+    the batches are fetched directly; both ways run the same _BatchReader, so the tensors are equal.
     """
     opts = spec.loader
     if opts.num_workers == 0 and not opts.pin_memory:
-        fetch = _Fetch(spec.train if split == "train" else spec.test, _pad(opts, split))
-        yield from (fetch.__getitems__(k) for k in keys)
+        reader = _BatchReader(spec.train if split == "train" else spec.test, _pad(opts, split))
+        yield from (reader.__getitems__(k) for k in keys)
         return
-    loader = _loader(spec, split, rank, world)
+    loader = _loader(spec, split, rank, world_size)
     loader.batch_sampler.keys = keys
     try:
         yield from loader
@@ -267,7 +267,7 @@ def _to_device(x: torch.Tensor, y: torch.Tensor, opts: LoaderOptions):
     )
 
 
-class _Keys:
+class _PassKeys:
     """The DataLoader's batch sampler: this pass's (seed, epoch, indices), set before each pass.
 
     The keys are read in the main process when a pass starts, so one DataLoader (and its
@@ -284,7 +284,7 @@ class _Keys:
         return len(self.keys)
 
 
-class _Fetch(torch.utils.data.Dataset):
+class _BatchReader(torch.utils.data.Dataset):
     """Runs in the loader (a worker or the main process): gather or decode, then augment."""
 
     def __init__(self, data: Split, pad: int | None):
@@ -304,17 +304,17 @@ class _Fetch(torch.utils.data.Dataset):
 
 
 def _whole_batch(batch):
-    return batch  # _Fetch already returns the batch as tensors
+    return batch  # _BatchReader already returns the batch as tensors
 
 
-def _loader(spec: DataSpec, split: str, rank: int, world: int) -> torch.utils.data.DataLoader:
-    key = (split, rank, world)
+def _loader(spec: DataSpec, split: str, rank: int, world_size: int) -> torch.utils.data.DataLoader:
+    key = (split, rank, world_size)
     if key not in spec._loaders:
         opts = spec.loader
         data = spec.train if split == "train" else spec.test
         spec._loaders[key] = torch.utils.data.DataLoader(
-            _Fetch(data, _pad(opts, split)),
-            batch_sampler=_Keys(),
+            _BatchReader(data, _pad(opts, split)),
+            batch_sampler=_PassKeys(),
             collate_fn=_whole_batch,
             num_workers=opts.num_workers,
             pin_memory=opts.pin_memory,

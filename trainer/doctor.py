@@ -28,8 +28,12 @@ def check_shm(path: str = "/dev/shm") -> Check:
     size = st.f_frsize * st.f_blocks
     detail = f"{size / GIB:.2f} GiB"
     if size < SHM_MIN:
-        return ("warn", "/dev/shm", f"{detail} (< 1 GiB: DataLoader workers and NCCL can fail with "
-                "'bus error'; docker: --shm-size=8g, compose: shm_size, k8s: an emptyDir medium Memory)")  # fmt: skip
+        return (
+            "warn",
+            "/dev/shm",
+            f"{detail} (< 1 GiB: DataLoader workers and NCCL can fail with "
+            "'bus error'; docker: --shm-size=8g, compose: shm_size, k8s: an emptyDir medium Memory)",
+        )
     return ("ok", "/dev/shm", detail)
 
 
@@ -41,8 +45,14 @@ def check_ulimits(gpus: int) -> list[Check]:
     out = []
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if gpus and soft != resource.RLIM_INFINITY:
-        out.append(("warn", "ulimit memlock", f"{_limit(soft)} bytes: NCCL/RDMA want unlimited "
-                    "(docker: --ulimit memlock=-1, compose: ulimits.memlock: -1)"))  # fmt: skip
+        out.append(
+            (
+                "warn",
+                "ulimit memlock",
+                f"{_limit(soft)} bytes: NCCL/RDMA want unlimited "
+                "(docker: --ulimit memlock=-1, compose: ulimits.memlock: -1)",
+            )
+        )
     else:
         out.append(("ok", "ulimit memlock", _limit(soft)))
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -66,10 +76,13 @@ def check_gpus(environ: Mapping[str, str]) -> tuple[int, list[Check]]:
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     names = ", ".join(torch.cuda.get_device_name(i) for i in range(gpus)) if gpus else "none"
-    out = [(
-        "ok", "GPUs",
-        f"{gpus} visible ({names}); CUDA_VISIBLE_DEVICES={visible!r}; torch built with CUDA {torch.version.cuda}",
-    )]  # fmt: skip
+    out = [
+        (
+            "ok",
+            "GPUs",
+            f"{gpus} visible ({names}); CUDA_VISIBLE_DEVICES={visible!r}; torch built with CUDA {torch.version.cuda}",
+        )
+    ]
     if visible is not None and visible.strip() != "" and gpus == 0:
         out.append(
             (
@@ -101,19 +114,20 @@ def check_gpus(environ: Mapping[str, str]) -> tuple[int, list[Check]]:
 
 
 def check_env(environ: Mapping[str, str], gpus: int) -> list[Check]:
-    from trainer.dist import choose_device, from_env
     from trainer.errors import UsageError
+    from trainer.ranks import choose_device, from_env
 
     try:
-        denv = from_env(environ)
-        choose_device(denv, "auto", "auto", gpus, environ.get("CUDA_VISIBLE_DEVICES"))
+        world = choose_device(
+            from_env(environ), "auto", "auto", gpus, environ.get("CUDA_VISIBLE_DEVICES")
+        )
     except UsageError as e:
         return [("fail", "torchrun env", str(e))]
     out = [
         (
             "ok",
             "torchrun env",
-            f"rank {denv.rank}/{denv.world_size}, local rank {denv.local_rank}/{denv.local_world_size}",
+            f"rank {world.rank}/{world.size}, local rank {world.local_rank}/{world.local_size}",
         )
     ]
     if (

@@ -126,3 +126,9 @@ def check_choice(key: str, value: str, choices) -> None:
             f"{key}: '{value}' is not a valid choice{did_you_mean(value, choices)}; "
             f"choose one of: {', '.join(map(str, choices))}"
         )
+
+
+def first_line(e: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,21 +1,55 @@
-"""`trainer eval SRC`: the test-split metrics of saved weights, under the config that made them."""
+"""Test-split metrics: during training, and `trainer eval SRC` for saved weights."""
 
 from __future__ import annotations
 
 import os
 
-from trainer import checkpoint, data, dist, loop, models
+import torch
+
+from trainer import data, models, ranks
 from trainer.config import Config
+from trainer.ranks import World
+from trainer.step import loss_sum
+from trainer.strategy import unwrap
 
 
-def run(cfg: Config, src: str) -> dict:
-    """Evaluate the weights at `src` (run dir, checkpoint dir or weights file) on cfg's data."""
-    denv, device, backend = dist.resolve(cfg.dist.device, cfg.dist.backend, os.environ)
-    dist.init(denv, device, backend, cfg.dist.timeout_s)
-    try:
+@torch.inference_mode()
+def evaluate(model, spec: data.DataSpec, world: World, batch: int) -> dict:
+    """Loss and accuracy (classification) or MSE and MAE (regression, in the target's own
+    units) over the whole test split, each sample counted once across ranks."""
+    net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
+    was_training = net.training
+    net.eval()
+    # loss sum, correct (classification) or absolute-error sum (regression), count
+    totals = torch.zeros(3, dtype=torch.float64, device=world.device)
+    for x, y in data.eval_batches(spec, batch, world.rank, world.size):
+        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
+        out = net(x)
+        totals[0] += loss_sum(spec.task, out, y).double()
+        if spec.task == "classification":
+            totals[1] += (out.argmax(dim=1) == y).sum()
+        else:
+            totals[1] += (out - y.reshape(out.shape).to(out.dtype)).abs().sum().double()
+        totals[2] += len(y)
+    ranks.all_reduce_sum(totals)
+    net.train(was_training)
+    loss_total, second, count = totals.tolist()
+    result = {"loss": loss_total / count, "count": int(count)}
+    if spec.task == "classification":
+        result["accuracy"] = second / count
+    else:  # the loss is the MSE of standardised targets; report both in the target's units
+        result["mse"] = loss_total / count * spec.target_scale**2
+        result["mae"] = second / count * spec.target_scale
+    return result
+
+
+def evaluate_saved(cfg: Config, src: str) -> dict:
+    """`trainer eval`: the weights at `src` (run dir, checkpoint dir or weights file) on cfg's data."""
+    from trainer.checkpoint.weights import load_weights_into
+
+    world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
+    with ranks.process_group(world, cfg.dist.timeout_s):
         spec = data.build(cfg.data, cfg.seed)
         model = models.build(cfg.model, spec.in_shape, spec.num_classes)
-        checkpoint.load_weights_into(model, src)
-        return loop.evaluate(model.to(device), spec, denv, device, cfg.data.eval_batch_size)
-    finally:
-        dist.teardown()
+        load_weights_into(model, src)
+        return evaluate(model.to(world.device), spec, world, cfg.data.eval_batch_size)

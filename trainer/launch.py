@@ -23,6 +23,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from trainer.cli import COMMANDS
 from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
 from trainer.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
 
@@ -126,7 +127,7 @@ def split_command(args: Sequence[str], env: Mapping[str, str]) -> Command:
         return Command(foreign=tuple(args[1:]))
     if args and not args[0].startswith("-") and "=" not in args[0]:
         sub, rest = args[0], args[1:]
-        if sub not in trainer_commands() and _on_path(sub, env):
+        if sub not in COMMANDS and _on_path(sub, env):
             return Command(foreign=tuple(args), as_is=True)
     else:
         sub, rest = "train", args
@@ -137,18 +138,6 @@ def split_command(args: Sequence[str], env: Mapping[str, str]) -> Command:
         except ValueError as e:
             raise UsageError(f"TRAIN_ARGS: cannot split it like a shell would ({e})") from None
     return Command(trainer_args=(sub, *extra, *rest))
-
-
-def trainer_commands() -> tuple[str, ...]:
-    """The `trainer` subcommands, read from its own parser (trainer.cli imports no torch)."""
-    import argparse
-
-    from trainer import cli
-
-    for action in cli.build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return tuple(action.choices)
-    return ()
 
 
 def _on_path(name: str, env: Mapping[str, str]) -> bool:
@@ -227,12 +216,13 @@ def make_plan(
     argv.append(f"--max-restarts={node.max_restarts}")
     argv += command.torchrun_tail()
     world = int(node.nnodes) * node.nproc if node.nnodes.isdigit() else None
-    return Plan(argv=tuple(argv), env=extra, unset=unset, child=True, summary=summary,
-                world_size=world)  # fmt: skip
+    return Plan(
+        argv=tuple(argv), env=extra, unset=unset, child=True, summary=summary, world_size=world
+    )
 
 
 # ---------------------------------------------------------------------------------------------
-# The side effects: GPUs, network, config preflight, running torchrun, signals.
+# The side effects: GPUs, network, config check, running torchrun, signals.
 
 
 def visible_gpus() -> int:
@@ -265,19 +255,15 @@ def probe_route(node: Node, env: Mapping[str, str]) -> Route | None:
         return None
 
 
-def preflight(command: Command):
-    """Validate the trainer config in-process before torchrun starts; returns the Config.
+def check_trainer_config(command: Command):
+    """Load and validate the trainer's config in this process, before torchrun starts; returns it.
 
-    Uses the trainer's own parser, so the arguments mean exactly what they will mean per rank.
+    Parsed by the trainer's own command line, so the arguments mean exactly what they will mean
+    on every rank.
     """
-    from trainer import cli, config
+    from trainer import cli
 
-    parser = cli.build_parser()
-    args, extra = parser.parse_known_args(list(command.trainer_args))
-    bad = [a for a in extra if a.startswith("-") or "=" not in a]
-    if bad:
-        parser.error(f"unrecognized arguments: {' '.join(bad)}")
-    return config.load(args.config, [*args.overrides, *extra])
+    return cli.load_config(cli.parse(list(command.trainer_args)))
 
 
 def _die_with_parent() -> None:
@@ -397,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return ExitCode.OK
     try:
         return _launch(args, dry_run)
-    except SystemExit as e:  # argparse (the trainer's parser, in preflight): already printed
+    except SystemExit as e:  # argparse (the trainer's parser, in the config check): printed
         return e.code if isinstance(e.code, int) else ExitCode.USAGE
     except TrainerError as e:
         print(f"trainer-launch: error: {e}", file=sys.stderr, flush=True)
@@ -419,7 +405,7 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
     command = split_command(args, env)
     gpus, cfg = 0, None
     if command.distributed and not launched_by_torchrun(env):
-        cfg = preflight(command) if command.is_trainer else None
+        cfg = check_trainer_config(command) if command.is_trainer else None
         gpus = 0 if cfg is not None and cfg.dist.device == "cpu" else visible_gpus()
     plan = make_plan(
         env,

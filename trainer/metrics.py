@@ -82,50 +82,45 @@ def _tensorboard(folder: str, resume_step: int | None, note):
 
 
 class RunLogger:
-    """Rank 0 writes metrics.jsonl and prints; other ranks do nothing.
+    """Rank 0 prints, and once `open` names the run directory writes metrics.jsonl (and TensorBoard
+    events); on the other ranks every method does nothing.
 
     Console: a single self-updating progress line on a TTY, plain periodic lines otherwise
-    (pod logs, CI), or nothing (log.progress=none; the JSONL is still written).
+    (pod logs, CI), or nothing but `info` lines (log.progress=none; the JSONL is still written).
     """
 
-    def __init__(
-        self,
-        run_dir: str | None,
-        *,
-        progress: str,
-        total_steps: int,
-        resume_step: int | None = None,
-        tensorboard: bool = False,
-        stream=None,
-    ):
+    def __init__(self, *, main: bool, progress: str, total_steps: int, stream=None):
         self.stream = stream or sys.stdout
-        self.enabled = run_dir is not None
+        self.enabled = main
         if progress == "auto":
             progress = "bar" if self.stream.isatty() else "plain"
-        self.progress = progress if self.enabled else "none"
+        self.progress = progress if main else "none"
         self.total = total_steps
         self._jsonl = None
+        self._tb = None
         self._last_draw = 0.0
         self._bar_open = False
-        if self.enabled:
-            path = os.path.join(run_dir, "metrics.jsonl")
-            if resume_step is not None:
-                _truncate_after(path, resume_step)
-            mode = "a" if resume_step is not None else "w"
-            self._jsonl = open(path, mode, encoding="utf-8")  # noqa: SIM115 (closed by close())
-        self._tb = (
-            _tensorboard(os.path.join(run_dir, "tb"), resume_step, self.info)
-            if self.enabled and tensorboard
-            else None
-        )
+
+    def open(self, run_dir: str, *, resume_step: int | None = None, tensorboard: bool = False):
+        """Start writing run_dir/metrics.jsonl (truncated past `resume_step`, else new) and tb/."""
+        if not self.enabled:
+            return
+        path = os.path.join(run_dir, "metrics.jsonl")
+        if resume_step is not None:
+            _truncate_after(path, resume_step)
+        mode = "a" if resume_step is not None else "w"
+        self._jsonl = open(path, mode, encoding="utf-8")  # noqa: SIM115 (closed by close())
+        if tensorboard:
+            self._tb = _tensorboard(os.path.join(run_dir, "tb"), resume_step, self.info)
 
     def record(self, record: dict) -> None:
         """One metrics.jsonl line; also shown on the console."""
         if not self.enabled:
             return
         record = {**record, "time": time.time()}
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         if self._tb is not None:
             for key, value in record.items():
                 if key in ("kind", "step", "epoch", "time", "eval.count") or not isinstance(

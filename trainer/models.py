@@ -161,7 +161,7 @@ def vgg11(in_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) -> 
 
 def build(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Instantiate model.name with the arguments its factory asks for."""
-    factory = registry.resolve("model.name", cfg.name)
+    factory = registry.factory("model.name", cfg.name)
     channels = cfg.in_channels or in_shape[0]
     offered = {
         "in_shape": (channels, *in_shape[1:]),

@@ -21,6 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trainer.envvars import env_int, env_port
 from trainer.errors import UsageError
 
 DEFAULT_MASTER_PORT = 29500
@@ -92,16 +93,6 @@ def _first(env: Mapping[str, str], *names: str) -> tuple[str, str] | tuple[None,
     return None, None
 
 
-def _int(name: str, raw: str, *, lo: int, what: str) -> int:
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UsageError(f"{name}={raw!r} is not an integer: {what}") from None
-    if value < lo:
-        raise UsageError(f"{name}={value} must be >= {lo}: {what}")
-    return value
-
-
 def _nnodes(name: str | None, raw: str | None) -> tuple[str, int]:
     if name is None or raw is None:
         return "1", 1
@@ -128,7 +119,7 @@ def _nproc(name: str | None, raw: str, gpus: int, cpus: int, visible: str | None
         return max(1, cpus)
     if not raw.isdigit():
         raise UsageError(f"{label} is not valid: use auto, gpu, cpu or a number of processes")
-    nproc = _int(str(name), raw, lo=1, what="the number of processes on this node")
+    nproc = env_int(str(name), raw, lo=1, what="the number of processes on this node")
     if gpus and nproc > gpus:
         raise UsageError(
             f"{label} but only {gpus} GPU(s) are visible (CUDA_VISIBLE_DEVICES={visible!r}): "
@@ -151,10 +142,7 @@ def _endpoint(env: Mapping[str, str]) -> tuple[str | None, int]:
 
 
 def _port(name: str, raw: str) -> int:
-    port = _int(name, raw, lo=1, what="a TCP port on node 0 for the rendezvous")
-    if port > 65535:
-        raise UsageError(f"{name}={port} is not a TCP port (1-65535)")
-    return port
+    return env_port(name, raw, what="a TCP port on node 0 for the rendezvous")
 
 
 def _rdzv_conf(raw: str | None) -> dict[str, str]:
@@ -176,7 +164,7 @@ def read_node(env: Mapping[str, str], *, gpus: int, cpus: int) -> Node:
     rank_var, rank_raw = _first(env, "PET_NODE_RANK", "NODE_RANK", "JOB_COMPLETION_INDEX")
     node_rank = None
     if rank_var and rank_raw is not None:
-        node_rank = _int(
+        node_rank = env_int(
             rank_var, rank_raw, lo=0, what="this node's rank, 0 on the rendezvous host"
         )
         if node_rank >= max_nodes:
@@ -188,11 +176,11 @@ def read_node(env: Mapping[str, str], *, gpus: int, cpus: int) -> Node:
     rs_var, rs_raw = _first(env, "PET_MAX_RESTARTS", "MAX_RESTARTS")
     restarts = DEFAULT_MAX_RESTARTS
     if rs_var and rs_raw is not None:
-        restarts = _int(rs_var, rs_raw, lo=0, what="worker-group restarts before the node fails")
+        restarts = env_int(rs_var, rs_raw, lo=0, what="worker-group restarts before the node fails")
     jt_var, jt_raw = _first(env, "RDZV_JOIN_TIMEOUT")
     join = DEFAULT_JOIN_TIMEOUT_S
     if jt_var and jt_raw is not None:
-        join = _int(jt_var, jt_raw, lo=1, what="seconds to wait for the other nodes")
+        join = env_int(jt_var, jt_raw, lo=1, what="seconds to wait for the other nodes")
     _, rdzv_id = _first(env, "PET_RDZV_ID", "RDZV_ID", "JOBSET_NAME", "JOB_NAME")
     if host and not rdzv_id:
         # Never a per-pod value: every node dials the same endpoint, so all derive the same id.

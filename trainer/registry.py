@@ -40,7 +40,7 @@ def check(key: str, name: str) -> None:
     check_choice(key, name, sorted(_TABLES[key]))
 
 
-def resolve(key: str, name: str) -> Callable:
+def factory(key: str, name: str) -> Callable:
     """The factory a name stands for; one-line UsageError when it cannot be imported."""
     check(key, name)
     target = _TABLES[key].get(name, name)

@@ -24,14 +24,14 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool = True) -> np.ndarr
     return rng.permutation(n)
 
 
-def chunk_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+def chunk_bounds(n: int, rank: int, world_size: int) -> tuple[int, int]:
     """[start, stop) of rank r's contiguous share of n items; sizes differ by at most one."""
-    return (n * rank) // world, (n * (rank + 1)) // world
+    return (n * rank) // world_size, (n * (rank + 1)) // world_size
 
 
-def rank_chunk(indices: np.ndarray, rank: int, world: int) -> np.ndarray:
+def rank_chunk(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     """Rank r's contiguous share of a global batch; sizes differ by at most one, may be empty."""
-    start, stop = chunk_bounds(len(indices), rank, world)
+    start, stop = chunk_bounds(len(indices), rank, world_size)
     return indices[start:stop]
 
 
@@ -63,7 +63,7 @@ class EpochPlan:
         for step in range(start, len(self)):
             yield step, order[step * self.global_batch : (step + 1) * self.global_batch]
 
-    def rank_spans(self, rank: int, world: int, start: int = 0):
+    def rank_spans(self, rank: int, world_size: int, start: int = 0):
         """Yield (step_in_epoch, lo, hi, global batch size): this rank's samples are order()[lo:hi].
 
         A global batch is a contiguous run of the epoch order and a rank's share a contiguous run
@@ -72,24 +72,24 @@ class EpochPlan:
         for step in range(start, len(self)):
             first = step * self.global_batch
             count = min(self.global_batch, self.n - first)
-            lo, hi = chunk_bounds(count, rank, world)
+            lo, hi = chunk_bounds(count, rank, world_size)
             yield step, first + lo, first + hi, count
 
-    def rank_batches(self, rank: int, world: int, start: int = 0):
+    def rank_batches(self, rank: int, world_size: int, start: int = 0):
         """Yield (step_in_epoch, this rank's indices, global batch size) from `start` on."""
         order = self.order()
-        for step, lo, hi, count in self.rank_spans(rank, world, start):
+        for step, lo, hi, count in self.rank_spans(rank, world_size, start):
             yield step, order[lo:hi], count
 
 
-def eval_spans(n: int, batch: int, rank: int, world: int):
+def eval_spans(n: int, batch: int, rank: int, world_size: int):
     """Yield [lo, hi) of this rank's evaluation samples: over all ranks, each exactly once."""
     for start in range(0, n, batch):
-        lo, hi = chunk_bounds(min(batch, n - start), rank, world)
+        lo, hi = chunk_bounds(min(batch, n - start), rank, world_size)
         yield start + lo, start + hi
 
 
-def eval_batches(n: int, batch: int, rank: int, world: int):
+def eval_batches(n: int, batch: int, rank: int, world_size: int):
     """Yield this rank's indices for evaluation: over all ranks, each sample exactly once."""
-    for lo, hi in eval_spans(n, batch, rank, world):
+    for lo, hi in eval_spans(n, batch, rank, world_size):
         yield np.arange(lo, hi)

@@ -1,37 +1,68 @@
-"""How the model is spread over ranks (none | ddp), and how to get the plain module back."""
+"""How the model is spread over ranks (none | ddp), behind one small interface.
+
+A Strategy wraps the model for training, turns off the gradient sync for all micro-steps but the
+last, and gives the plain module back (`unwrap`) for saving, exporting and evaluation.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from typing import TYPE_CHECKING
+
 from torch import nn
 
-from trainer.dist import DistEnv
 from trainer.errors import UsageError
 
+if TYPE_CHECKING:
+    from trainer.ranks import World
 
-def resolve(strategy: str, denv: DistEnv) -> str:
-    """The concrete strategy for this world size."""
-    if strategy == "auto":
-        return "ddp" if denv.distributed else "none"
-    if strategy == "none" and denv.distributed:
+
+class Strategy:
+    """none: the model as it is, in one process."""
+
+    name = "none"
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        return model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """Around a micro-step whose gradients must not be synchronised yet."""
+        return contextlib.nullcontext()
+
+
+class DDP(Strategy):
+    """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets."""
+
+    name = "ddp"
+
+    def __init__(self, sync_bn: bool = False):
+        self.sync_bn = sync_bn
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        if self.sync_bn:
+            model = convert_sync_bn(model, world.device)
+        ids = [world.local_rank] if world.on_cuda else None
+        # DDP broadcasts rank 0's parameters at construction, so every rank starts identical.
+        return DistributedDataParallel(model, device_ids=ids)
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return model.no_sync()
+
+
+def choose(name: str, world: World, *, sync_bn: bool = False) -> Strategy:
+    """The strategy dist.strategy names, for this world size (auto: ddp on several ranks)."""
+    if name == "auto":
+        name = "ddp" if world.distributed else "none"
+    if name == "none" and world.distributed:
         raise UsageError(
-            f"dist.strategy=none cannot run on {denv.world_size} ranks (each would train alone): "
+            f"dist.strategy=none cannot run on {world.size} ranks (each would train alone): "
             "use dist.strategy=ddp or auto, or launch one process"
         )
-    return strategy
-
-
-def wrap(
-    model: nn.Module, strategy: str, denv: DistEnv, device: str, sync_bn: bool = False
-) -> nn.Module:
-    if strategy == "ddp" and denv.distributed:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        if sync_bn:
-            model = convert_sync_bn(model, device)
-        ids = [int(device.split(":")[1])] if device.startswith("cuda") else None
-        # DDP broadcasts rank 0's parameters at construction, so every rank starts identical.
-        return DDP(model, device_ids=ids)
-    return model
+    if name == "ddp" and world.distributed:
+        return DDP(sync_bn=sync_bn)
+    return Strategy()
 
 
 def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:

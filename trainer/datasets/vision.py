@@ -18,7 +18,7 @@ import torch
 
 from trainer.config import DataConfig
 from trainer.data import ArrayDataset, DataSpec
-from trainer.errors import RetryableError, UsageError
+from trainer.errors import RetryableError, UsageError, first_line
 
 MOUNT_HINT = (
     "docker compose: put them under ./data (or DATA_DIR=...), mounted read-only at /workspace/data "
@@ -119,10 +119,9 @@ def _make(factory, cfg: DataConfig, source: _Source):
 
 
 def _unreadable(cfg: DataConfig, source: _Source, e: BaseException) -> str:
-    detail = str(e).strip().splitlines()[0] if str(e).strip() else "bad format"
     return (
         f"data.name={cfg.name}: cannot read {os.path.join(cfg.root, source.folder)} "
-        f"({type(e).__name__}: {detail}): replace the files with {source.how}"
+        f"({type(e).__name__}: {first_line(e)}): replace the files with {source.how}"
     )
 
 
@@ -138,10 +137,9 @@ def _download(factory, cfg: DataConfig, source: _Source) -> None:
                 factory(cfg.root, True, download=True)
                 factory(cfg.root, False, download=True)
             except (URLError, RuntimeError, OSError, gzip.BadGzipFile) as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 raise RetryableError(
                     f"data.download=true: could not download {source.name} into {cfg.root} "
-                    f"({first}): check the network and that data.root is writable, or put "
+                    f"({first_line(e)}): check the network and that data.root is writable, or put "
                     f"{source.how} in {os.path.join(cfg.root, source.folder)}/ yourself"
                 ) from None
     finally:

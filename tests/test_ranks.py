@@ -1,9 +1,10 @@
-"""DistEnv from the exact variables torchrun sets; inconsistent values are one-line errors."""
+"""World (rank facts, device, backend) from the exact variables torchrun sets; inconsistent values
+are one-line errors."""
 
 import pytest
 
-from trainer.dist import DistEnv, choose_device, from_env
 from trainer.errors import EnvError
+from trainer.ranks import World, choose_device, from_env
 
 TORCHRUN_RANK3 = {  # what torchrun 2.x sets for local rank 1 on node 1 of 2 nodes x 2 procs
     "RANK": "3",
@@ -23,12 +24,12 @@ TORCHRUN_RANK3 = {  # what torchrun 2.x sets for local rank 1 on node 1 of 2 nod
 
 def test_no_torchrun_env_is_a_single_process():
     d = from_env({"PATH": "/bin"})
-    assert d == DistEnv() and d.world_size == 1 and d.is_main and not d.distributed
+    assert d == World() and d.size == 1 and d.is_main and not d.distributed
 
 
 def test_torchrun_env_is_read_once_into_rank_facts():
     d = from_env(TORCHRUN_RANK3)
-    assert (d.rank, d.local_rank, d.world_size, d.local_world_size, d.node_rank) == (3, 1, 4, 2, 1)
+    assert (d.rank, d.local_rank, d.size, d.local_size, d.node_rank) == (3, 1, 4, 2, 1)
     assert (d.master_addr, d.master_port, d.restart_count) == ("node0.example", 29500, 2)
     assert d.distributed and not d.is_main
 
@@ -55,47 +56,50 @@ def test_inconsistent_env_is_a_clear_error(change, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
+def _device(world, device, backend, gpus):
+    w = choose_device(world, device, backend, gpus)
+    return w.device, w.backend
+
+
 def test_device_and_backend():
-    one = DistEnv()
-    assert choose_device(one, "auto", "auto", 0) == ("cpu", "gloo")
-    assert choose_device(one, "auto", "auto", 2) == ("cuda:0", "nccl")
-    assert choose_device(DistEnv(local_rank=1, local_world_size=2), "cuda", "auto", 2) == (
-        "cuda:1",
-        "nccl",
-    )
-    assert choose_device(one, "cpu", "auto", 8) == ("cpu", "gloo")
-    assert choose_device(one, "cuda", "gloo", 1) == ("cuda:0", "gloo")
+    one = World()
+    assert _device(one, "auto", "auto", 0) == ("cpu", "gloo")
+    assert _device(one, "auto", "auto", 2) == ("cuda:0", "nccl")
+    assert _device(World(local_rank=1, local_size=2), "cuda", "auto", 2) == ("cuda:1", "nccl")
+    assert _device(one, "cpu", "auto", 8) == ("cpu", "gloo")
+    assert _device(one, "cuda", "gloo", 1) == ("cuda:0", "gloo")
+    # The rank facts travel with the device: one record, read once.
+    w = choose_device(World(rank=3, local_rank=1, size=4, local_size=2), "auto", "auto", 2)
+    assert (w.rank, w.local_rank, w.size, w.device, w.on_cuda) == (3, 1, 4, "cuda:1", True)
 
 
 @pytest.mark.parametrize(
-    "denv, device, backend, gpus, fragment",
+    "world, device, backend, gpus, fragment",
     [
-        (DistEnv(), "cuda", "auto", 0, "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES='')"),
+        (World(), "cuda", "auto", 0, "no CUDA GPU is visible (CUDA_VISIBLE_DEVICES='')"),
         (
-            DistEnv(local_rank=2, local_world_size=4),
+            World(local_rank=2, local_size=4),
             "auto",
             "auto",
             2,
             "LOCAL_RANK=2 but only 2 GPU(s)",
         ),
-        (DistEnv(), "cpu", "nccl", 0, "nccl needs CUDA"),
+        (World(), "cpu", "nccl", 0, "nccl needs CUDA"),
     ],
 )
-def test_device_errors(denv, device, backend, gpus, fragment):
+def test_device_errors(world, device, backend, gpus, fragment):
     with pytest.raises(EnvError) as e:
-        choose_device(denv, device, backend, gpus, "")
+        choose_device(world, device, backend, gpus, "")
     assert fragment in str(e.value)
 
 
 def test_a_lost_peer_is_retryable_and_a_bug_is_not():
     import torch.distributed as dist
 
-    from trainer.dist import peer_failures_are_retryable
     from trainer.errors import RetryableError
+    from trainer.ranks import peer_failures_are_retryable
 
-    two = DistEnv(
-        rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="h", master_port=1
-    )
+    two = World(rank=1, size=2, local_rank=1, local_size=2, master_addr="h", master_port=1)
     gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:5000"
     for error in (RuntimeError(gloo), dist.DistBackendError("NCCL communicator was aborted")):
         with (
@@ -108,6 +112,6 @@ def test_a_lost_peer_is_retryable_and_a_bug_is_not():
         raise RuntimeError("shape mismatch")  # a bug keeps its traceback
     with (
         pytest.raises(RuntimeError, match="Connection closed"),
-        peer_failures_are_retryable(DistEnv(), 30),
+        peer_failures_are_retryable(World(), 30),
     ):
         raise RuntimeError(gloo)  # a single process has no peers

@@ -1,0 +1,39 @@
+"""When the loop logs, evaluates and saves: the pure predicates behind `fit`."""
+
+from trainer.config import CkptConfig, TrainConfig
+from trainer.loop import TrainClock, should_eval, should_log, should_save
+
+
+def test_a_train_record_every_n_steps_and_at_the_last():
+    assert [s for s in range(1, 24) if should_log(10, s, 23)] == [10, 20, 23]
+
+
+def test_evaluation_every_n_steps_or_at_every_nth_epoch_end():
+    steps = TrainConfig(eval_every_steps=5)
+    assert [s for s in range(1, 13) if should_eval(steps, step=s)] == [5, 10]
+    assert not should_eval(steps, step=10, epoch_done=2)  # steps rule: epoch ends do not count
+    epochs = TrainConfig(eval_every_epochs=2)
+    assert not any(should_eval(epochs, step=s) for s in range(1, 13))
+    assert [e for e in range(1, 7) if should_eval(epochs, step=0, epoch_done=e)] == [2, 4, 6]
+
+
+def test_periodic_saves_never_duplicate_the_final_one():
+    steps = CkptConfig(every_steps=4, every_epochs=0)
+    assert [s for s in range(1, 13) if should_save(steps, step=s, total_steps=12)] == [4, 8]
+    assert not should_save(steps, step=8, total_steps=12, epoch_done=2)
+    epochs = CkptConfig(every_epochs=2)
+    done = [e for e in range(1, 5) if should_save(epochs, step=3 * e, total_steps=12, epoch_done=e)]
+    assert done == [2]  # epoch 4 ends at the last step: the final save covers it
+    assert not should_save(CkptConfig(every_steps=0, every_epochs=0), step=5, total_steps=12)
+
+
+def test_the_clock_counts_earlier_segments_and_leaves_pauses_out(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("trainer.loop.time.perf_counter", lambda: now[0])
+    clock = TrainClock(before=7.0)
+    now[0] += 2.0
+    assert clock.lap() == 2.0 and clock.total == 9.0
+    with clock.paused():
+        now[0] += 50.0  # evaluation or a checkpoint save
+    now[0] += 1.0
+    assert clock.lap() == 1.0 and clock.total == 10.0

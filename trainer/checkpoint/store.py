@@ -1,0 +1,258 @@
+"""The on-disk format: one directory per save, written under a temporary name and renamed.
+
+    <checkpoint dir>/step-000000460/
+        model.safetensors   unwrapped weights (no `module.`/`_orig_mod.`), CPU tensors
+        optimizer.pt        optimizer state_dict
+        state.pt            scheduler, grad scaler, every rank's RNG states
+        meta.json           loop position, reason, world size, restart count, results, versions, time
+        config.yaml         the resolved config
+        MANIFEST.sha256     sha256 of every file above; written last, checked before loading
+
+Everything loads with torch.load(weights_only=True): plain tensors, numbers, strings, lists,
+dicts. A pickle asking for anything else (code) is refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+
+import torch
+
+from trainer.errors import UsageError, first_line
+
+MANIFEST = "MANIFEST.sha256"
+FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json", "config.yaml")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CorruptCheckpoint(Exception):
+    """A checkpoint that fails verification (missing, truncated or altered files)."""
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str):
+    """Yield a temporary sibling directory; on success it replaces `path` in one rename.
+
+    On any error the temporary directory is removed and `path` is left as it was.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        yield tmp
+        for name in os.listdir(tmp):
+            with open(os.path.join(tmp, name), "rb") as f:
+                os.fsync(f.fileno())
+        old = None
+        if os.path.exists(path):
+            old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(parent)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def torch_load(path: str):
+    """torch.load restricted to tensors and plain containers; code-carrying pickles are refused."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle.UnpicklingError, RuntimeError from the zip reader, ...
+        raise UsageError(
+            f"{path}: refused to load ({first_line(e)}); only tensors and plain containers are "
+            "accepted (weights_only=True): re-save the weights with "
+            "torch.save(model.state_dict(), path)"
+        ) from None
+
+
+def read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors, on the CPU; a one-line UsageError when it is not one."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise UsageError(f"{path}: not a readable safetensors file ({e})") from None
+
+
+def _torch_save(obj, path: str) -> None:
+    """torch.save through Python I/O: a full disk raises OSError ENOSPC, not a C++ enforce message."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with open(path, "wb") as f:
+        f.write(buf.getbuffer())
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"step-{step:09d}")
+
+
+def is_step_dir(path: str) -> bool:
+    """Whether `path` looks like one checkpoint (a manifest, or a step-N name)."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or bool(
+        STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    )
+
+
+def list_checkpoints(root: str) -> list[tuple[int, str]]:
+    """(step, path) of every finished checkpoint directory, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        m = STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            found.append((int(m.group(1)), os.path.join(root, name)))
+    return sorted(found, reverse=True)
+
+
+def verify(path: str) -> None:
+    """Raise CorruptCheckpoint unless every file matches the manifest and none is missing."""
+    manifest = os.path.join(path, MANIFEST)
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            lines = [line.split() for line in f if line.strip()]
+    except OSError as e:
+        raise CorruptCheckpoint(f"no readable {MANIFEST} ({e.strerror})") from None
+    entries = {}
+    for parts in lines:
+        if len(parts) != 2:
+            raise CorruptCheckpoint(f"malformed {MANIFEST}")
+        entries[parts[1]] = parts[0]
+    for name in FILES:
+        if name not in entries:
+            raise CorruptCheckpoint(f"{MANIFEST} does not list {name}")
+    for name, digest in entries.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CorruptCheckpoint(f"{name} is missing")
+        if _sha256(file) != digest:
+            raise CorruptCheckpoint(f"{name} does not match its sha256 (truncated or altered)")
+
+
+def latest_valid(root: str, warn: Callable[[str], None] | None = None) -> str | None:
+    """The newest checkpoint under root that verifies; corrupt newer ones are reported, skipped."""
+    for _, path in list_checkpoints(root):
+        try:
+            verify(path)
+            return path
+        except CorruptCheckpoint as e:
+            if warn:
+                warn(f"checkpoint {path} is corrupt ({e}); falling back to an older one")
+    return None
+
+
+def latest_in(folder: str, warn: Callable[[str], None] | None = None) -> str | None:
+    """The newest valid checkpoint in a checkpoints folder or in a run directory's checkpoints/."""
+    return latest_valid(folder, warn) or latest_valid(os.path.join(folder, "checkpoints"), warn)
+
+
+def write(
+    root: str,
+    step: int,
+    *,
+    model: dict[str, torch.Tensor],
+    optimizer: dict,
+    extra: dict,
+    meta: dict,
+    config_yaml: str,
+) -> str:
+    """Write a complete checkpoint for `step` atomically; returns its directory.
+
+    `model` is a plain state_dict of CPU tensors (what safetensors stores).
+    """
+    from safetensors.torch import save_file
+
+    path = step_dir(root, step)
+    with atomic_dir(path) as tmp:
+        save_file(model, os.path.join(tmp, "model.safetensors"))
+        _torch_save(optimizer, os.path.join(tmp, "optimizer.pt"))
+        _torch_save(extra, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+        with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(config_yaml)
+        lines = [f"{_sha256(os.path.join(tmp, name))}  {name}\n" for name in FILES]
+        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+            f.writelines(lines)
+    return path
+
+
+def read(path: str) -> dict:
+    """Read a verified checkpoint: {'model', 'optimizer', 'extra', 'meta', 'config_yaml'}."""
+    try:
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+            meta = json.load(f)
+        with open(os.path.join(path, "config.yaml"), encoding="utf-8") as f:
+            config_yaml = f.read()
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{path}: unreadable checkpoint ({e})") from None
+    return {
+        "model": read_safetensors(os.path.join(path, "model.safetensors")),
+        "optimizer": torch_load(os.path.join(path, "optimizer.pt")),
+        "extra": torch_load(os.path.join(path, "state.pt")),
+        "meta": meta,
+        "config_yaml": config_yaml,
+    }
+
+
+def prune(root: str, keep_last: int) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints."""
+    removed = []
+    for _, path in list_checkpoints(root)[keep_last:]:
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def remove_stale_temporaries(root: str) -> None:
+    """Clean up after a process killed mid-save.
+
+    `.step-N.tmp-*` never became a checkpoint: delete it. `.step-N.old-*` is a complete one that
+    was being replaced: put it back if the replacement never landed, else delete it.
+    """
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in sorted(names):
+        m = re.match(r"^\.(step-\d+)\.(tmp|old)-\d+$", name)
+        if not m:
+            continue
+        path, final = os.path.join(root, name), os.path.join(root, m.group(1))
+        if m.group(2) == "old" and not os.path.exists(final):
+            os.rename(path, final)
+        else:
+            shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,126 @@
+"""Plain weights in and out: from a run, a checkpoint or any state_dict file; to safetensors.
+
+Weights saved by DataParallel/DDP (`module.`) or torch.compile (`_orig_mod.`) load into the plain
+model, and a GPU-saved file loads on the CPU. `export` writes what loads with safetensors alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+from torch import nn
+
+from trainer.checkpoint import store
+from trainer.errors import UsageError
+from trainer.strategy import unwrap
+
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, unshared tensors of the unwrapped model: no `module.`/`_orig_mod.` keys."""
+    return {
+        k: v.detach().to("cpu").contiguous().clone() for k, v in unwrap(model).state_dict().items()
+    }
+
+
+def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Remove DataParallel/DDP (`module.`) and torch.compile (`_orig_mod.`) key prefixes."""
+    out = {}
+    for key, value in state.items():
+        while key.startswith(_WRAPPER_PREFIXES):
+            key = key.split(".", 1)[1]
+        out[key] = value
+    return out
+
+
+def save_weights(model: nn.Module, directory: str, metadata: dict[str, str] | None = None) -> str:
+    """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer."""
+    from safetensors.torch import save_file
+
+    with store.atomic_dir(directory) as tmp:
+        save_file(
+            plain_state_dict(model), os.path.join(tmp, "model.safetensors"), metadata=metadata
+        )
+    return os.path.join(directory, "model.safetensors")
+
+
+def _weights_file_in(folder: str) -> str:
+    """model.safetensors of the newest valid checkpoint in `folder`, else of its final/."""
+    found = store.latest_in(folder)
+    for candidate in filter(None, (found, os.path.join(folder, "final"))):
+        path = os.path.join(candidate, "model.safetensors")
+        if os.path.isfile(path):
+            return path
+    raise UsageError(
+        f"{folder}: no verified checkpoint or final/model.safetensors inside: "
+        "point at a checkpoint directory, a run directory or a weights file"
+    )
+
+
+def read_weights(path: str) -> dict[str, torch.Tensor]:
+    """Weights from a checkpoint/run dir, .safetensors, or a .pt/.pth/.bin state_dict (any prefix).
+
+    Tensors come back on the CPU whatever device saved them; load_state_dict then copies them
+    to wherever the model lives (a GPU checkpoint loads on CPU or on another GPU index).
+    """
+    if os.path.isdir(path):
+        path = _weights_file_in(path)
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such weights file or directory")
+    if path.endswith(".safetensors"):
+        state = store.read_safetensors(path)
+    else:
+        state = store.torch_load(path)
+        for key in ("model", "state_dict", "model_state_dict"):  # common wrappers
+            if isinstance(state, dict) and isinstance(state.get(key), dict):
+                state = state[key]
+                break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UsageError(f"{path}: does not hold a state_dict of tensors")
+    return strip_prefixes(state)
+
+
+def load_weights_into(model: nn.Module, path: str) -> None:
+    """Load weights (any prefix, any device of origin) into the unwrapped model, strictly."""
+    state = read_weights(path)
+    target = unwrap(model)
+    missing, unexpected = target.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise UsageError(
+            f"{path}: weights do not fit model (missing {sorted(missing)[:5]}, unexpected "
+            f"{sorted(unexpected)[:5]}): check model.* matches the run that saved them"
+        )
+
+
+def find_config(src: str) -> str | None:
+    """The config.yaml that describes weights at `src` (checkpoint dir, run dir, or beside a file)."""
+    folder = src if os.path.isdir(src) else os.path.dirname(os.path.abspath(src))
+    for candidate in (folder, os.path.dirname(folder), os.path.dirname(os.path.dirname(folder))):
+        path = os.path.join(candidate, "config.yaml")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def export(src: str, out: str | None = None) -> str:
+    """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict."""
+    from safetensors.torch import save_file
+
+    state = read_weights(src)
+    if out is None:
+        out = (
+            os.path.join(src, "export")
+            if os.path.isdir(src)
+            else os.path.splitext(src)[0] + "-export"
+        )
+    config = find_config(src)
+    with store.atomic_dir(out) as tmp:
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors")
+        )
+        if config:
+            shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
+    return os.path.join(out, "model.safetensors")

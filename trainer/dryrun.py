@@ -1,0 +1,122 @@
+"""`trainer train --dry-run`: fail in minute one, not at 99%.
+
+Exercises the paths a long run only reaches late: one training step on the LAST (smallest)
+batch of an epoch, one evaluation batch, and a checkpoint save + verify + load round trip on the
+real checkpoint filesystem (read back by every rank, which proves the storage is shared).
+It writes nothing that stays: no metrics, no config, and its checkpoint goes to a private
+temporary folder that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import shutil
+import time
+import uuid
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainer import data, ranks
+from trainer.checkpoint import store
+from trainer.errors import UsageError
+from trainer.strategy import unwrap
+
+if TYPE_CHECKING:
+    from trainer.run import Run
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+
+
+def check(run: Run) -> dict:
+    """The dry run of `run`: a report of what ran, or a one-line UsageError for what failed."""
+    world = run.world
+    run.log.info(run.banner())
+    report: dict = {"dry_run": True, "world_size": world.size}
+    if world.on_cuda:
+        torch.cuda.reset_peak_memory_stats(world.device)
+    plan = run.epoch_plan(0)
+    report["last_batch"] = _last_batch_step(run, plan)
+    report["eval_batch"] = _eval_batch(run)
+    report["checkpoint"] = _checkpoint_round_trip(run)
+    if world.on_cuda:
+        report["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(world.device) / 2**30
+    lb, ev, ck = report["last_batch"], report["eval_batch"], report["checkpoint"]
+    peak = report.get("peak_gpu_memory_gib")
+    run.log.info(
+        f"dry run ok: last batch (step {lb['step_in_epoch'] + 1}/{len(plan)}, "
+        f"{lb['global_samples']} samples over {world.size} rank(s)) loss {lb['loss']:.4f} in "
+        f"{lb['seconds']:.2f} s | eval batch {ev['global_samples']} samples | checkpoint "
+        f"{ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in {ck['seconds']:.2f} s"
+        + (f" | peak GPU memory {peak:.2f} GiB" if peak is not None else "")
+    )
+    return report
+
+
+def _last_batch_step(run: Run, plan) -> dict:
+    """One training step on the epoch's last, smallest batch, where an uneven tail would crash."""
+    world = run.world
+    last = len(plan) - 1
+    index, x, y, count = next(data.train_batches(run.data, plan, world.rank, world.size, last))
+    started = time.perf_counter()
+    loss = run.step(x.to(world.device), y.to(world.device), count)
+    loss = ranks.all_reduce_sum(loss.double()).item()
+    _sync(world.device)
+    if not math.isfinite(loss):
+        raise UsageError(
+            f"dry run: the loss on the last batch is {loss}: check optim.lr and the data"
+        )
+    return {
+        "step_in_epoch": index,
+        "global_samples": count,
+        "this_rank_samples": len(y),
+        "loss": loss,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _eval_batch(run: Run) -> dict:
+    world = run.world
+    started = time.perf_counter()
+    net = unwrap(run.model).eval()
+    with torch.no_grad():
+        batches = data.eval_batches(run.data, run.cfg.data.eval_batch_size, world.rank, world.size)
+        ex, ey = next(batches)
+        counts = torch.tensor([len(ey)], dtype=torch.float64, device=world.device)
+        net(ex.to(world.device))
+    ranks.all_reduce_sum(counts)
+    net.train()
+    return {"global_samples": int(counts.item()), "seconds": time.perf_counter() - started}
+
+
+def _checkpoint_round_trip(run: Run) -> dict:
+    """Save, verify and load a checkpoint in a private folder beside the real ones; every rank
+    reads it back (which proves the storage is shared), then it is removed."""
+    world, ckpt = run.world, run.ckpt
+    scratch = ranks.broadcast_object(os.path.join(ckpt.root, f".dry-run-{uuid.uuid4().hex[:8]}"))
+    started = time.perf_counter()
+    path = ckpt.save(run.state, {}, "dry-run", root=scratch)
+    error, size = None, 0
+    try:
+        store.verify(path)
+        payload = store.read(path)
+        for name, tensor in unwrap(run.model).state_dict().items():
+            if not torch.equal(payload["model"][name], tensor.detach().cpu()):
+                raise UsageError(f"the round trip changed {name}")
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
+    except (UsageError, store.CorruptCheckpoint, OSError) as e:
+        error = f"rank {world.rank}: {e}"
+    errors = ranks.gather_objects(error)  # also: every rank is done reading before the delete
+    first = ranks.broadcast_object(next((e for e in errors if e), None) if world.is_main else None)
+    if world.is_main:
+        shutil.rmtree(scratch, ignore_errors=True)
+        with contextlib.suppress(OSError):  # leave no empty checkpoints folder behind
+            os.rmdir(ckpt.root)
+    if first:
+        raise UsageError(f"dry run: checkpoint round trip in {ckpt.root} failed ({first})")
+    return {"bytes": size, "seconds": time.perf_counter() - started}

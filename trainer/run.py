@@ -1,0 +1,128 @@
+"""A run: everything one rank trains with, built once from the config and the rank facts.
+
+`build` is the setup half of `trainer train`: data -> model -> wrap -> optimizer -> resume. The
+functions that drive a run (loop.fit, dryrun.check, train's record and finish) take the Run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer import data, models, optim, sampler
+from trainer.checkpoint.manager import Checkpointer, LoopState
+from trainer.config import Config, TrainConfig
+from trainer.metrics import RunLogger
+from trainer.ranks import World
+from trainer.signals import StopSignal
+from trainer.step import TrainStep, make_scaler
+from trainer.strategy import Strategy
+
+
+@dataclass(kw_only=True, eq=False)
+class Run:
+    cfg: Config
+    world: World
+    strategy: Strategy
+    data: data.DataSpec
+    step: TrainStep
+    """The model (wrapped for training), its optimizer, schedule and loss scaler."""
+    ckpt: Checkpointer
+    log: RunLogger
+    stop: StopSignal
+    state: LoopState
+    """Where training is; restored from a checkpoint on resume."""
+    results: dict = field(default_factory=dict)
+    """Latest train/eval results and the train time so far (restored on resume)."""
+    steps_per_epoch: int
+    total_steps: int
+    started: float
+    """time.time() when `trainer train` began."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.step.model
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.abspath(self.cfg.run_dir)
+
+    @property
+    def finished(self) -> bool:
+        return self.state.step >= self.total_steps
+
+    def epoch_plan(self, epoch: int) -> sampler.EpochPlan:
+        return epoch_plan(self.cfg, len(self.data.train), epoch)
+
+    def banner(self) -> str:
+        cfg, w = self.cfg, self.world
+        return (
+            f"{cfg.name}: {cfg.data.name} ({len(self.data.train)} train / {len(self.data.test)} "
+            f"test) | model {cfg.model.name} | world {w.size} x {w.device} ({w.backend}, "
+            f"{self.strategy.name}) | global batch {cfg.data.global_batch_size}, "
+            f"{self.steps_per_epoch} steps/epoch"
+        )
+
+
+def epoch_plan(cfg: Config, n: int, epoch: int) -> sampler.EpochPlan:
+    """The global batches of training epoch `epoch` over n samples."""
+    d = cfg.data
+    return sampler.EpochPlan(
+        n=n,
+        global_batch=d.global_batch_size,
+        seed=cfg.seed,
+        epoch=epoch,
+        shuffle=d.shuffle,
+        drop_last=d.drop_last,
+    )
+
+
+def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    planned = cfg.epochs * steps_per_epoch
+    return min(planned, cfg.max_steps) if cfg.max_steps else planned
+
+
+def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, started: float) -> Run:
+    """Data, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
+    torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
+    spec = data.build(cfg.data, cfg.seed, world.device)
+    model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(world.device)
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model = strategy.wrap(model, world)
+    if cfg.train.compile:
+        model = torch.compile(model)  # after DDP: compiled graphs break at its bucket boundaries
+    per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
+    total = total_steps(cfg.train, per_epoch)
+    optimizer = optim.build_optimizer(cfg.optim, model.parameters())
+    step = TrainStep(
+        cfg=cfg.train,
+        model=model,
+        optimizer=optimizer,
+        scheduler=optim.build_scheduler(cfg.sched, optimizer, per_epoch, total),
+        scaler=make_scaler(cfg.train, world.device),
+        task=spec.task,
+        world_size=world.size,
+        device=world.device,
+        strategy=strategy,
+    )
+    log = RunLogger(main=world.is_main, progress=cfg.log.progress, total_steps=total)
+    ckpt = Checkpointer(cfg, world, step, log)
+    state, results = ckpt.restore()
+    return Run(
+        cfg=cfg,
+        world=world,
+        strategy=strategy,
+        data=spec,
+        step=step,
+        ckpt=ckpt,
+        log=log,
+        stop=stop,
+        state=state,
+        results=results,
+        steps_per_epoch=per_epoch,
+        total_steps=total,
+        started=started,
+    )

@@ -1,0 +1,104 @@
+"""One optimizer step on this rank's slice of the global batch.
+
+Loss normalisation: each rank sums its samples' losses and scales by world_size/global_count;
+data parallelism averages gradients over ranks, so every step's gradient is
+sum(all losses) / global_count, exactly a single-process step on the whole global batch (the world
+size changes only the order of the floating-point sum). A rank with an empty slice contributes
+zero and still joins the gradient all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import TrainConfig
+from trainer.strategy import Strategy
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Summed (not averaged) loss over this rank's samples; 0 for an empty slice."""
+    if task == "classification":
+        return F.cross_entropy(out, y, reduction="sum")
+    return F.mse_loss(out, y.reshape(out.shape).to(out.dtype), reduction="sum")
+
+
+def make_scaler(cfg: TrainConfig, device: str) -> torch.amp.GradScaler:
+    """fp16's loss scaler (a disabled pass-through otherwise); its state is checkpointed."""
+    return torch.amp.GradScaler(
+        torch.device(device).type, init_scale=cfg.fp16_init_scale, enabled=cfg.precision == "fp16"
+    )
+
+
+@dataclass(kw_only=True, eq=False)
+class TrainStep:
+    """The model (wrapped for training), what updates it, and how one step runs.
+
+    Micro-steps (train.micro_batch_size) accumulate gradients without synchronising until the
+    last, so there is one all-reduce per step and the gradient equals the unsplit step's.
+    A rank with an empty slice still runs one (empty) micro-step to join that all-reduce.
+    """
+
+    cfg: TrainConfig
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    task: str
+    world_size: int = 1
+    device: str = "cpu"
+    strategy: Strategy = field(default_factory=Strategy)
+    skipped_steps: int = 0
+    """fp16 steps skipped for an inf/nan gradient."""
+
+    def _chunks(self, x, y):
+        micro = self.cfg.micro_batch_size
+        if not micro or len(x) <= micro:
+            return [(x, y)]
+        return list(zip(x.split(micro), y.split(micro), strict=True))
+
+    def __call__(self, x, y, global_count: int) -> torch.Tensor:
+        """Returns this rank's share of the step's global mean loss (detached)."""
+        if self.cfg.channels_last and x.dim() == 4:
+            x = x.contiguous(memory_format=torch.channels_last)
+        self.optimizer.zero_grad(set_to_none=True)
+        dtype = _DTYPES[self.cfg.precision]
+        device_type = torch.device(self.device).type
+        chunks = self._chunks(x, y)
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        for i, (xc, yc) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
+                with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
+                    local = loss_sum(self.task, self.model(xc), yc)
+                # Sum of losses x world / global count: after the gradient average, sum/global_count.
+                self.scaler.scale(local * (self.world_size / global_count)).backward()
+            total += local.detach().float()
+        self._update()
+        return total / global_count
+
+    def _update(self) -> None:
+        """Clip, step (skipped on an fp16 overflow), update the loss scale, advance the lr."""
+        if self.cfg.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+        scale = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        if scale is not None and self.scaler.get_scale() < scale:
+            self.skipped_steps += 1
+        with warnings.catch_warnings():
+            # After a skipped fp16 step torch warns the schedule may skip its first value; ours
+            # is a pure function of the step count, which counts skipped steps too.
+            warnings.filterwarnings(
+                "ignore", message=re.escape("Detected call of `lr_scheduler.step()`")
+            )
+            self.scheduler.step()
