@@ -44,7 +44,10 @@ def test_named_preset_and_run_dir_round_trip(tmp_path):
         ),
         (["seeed=1"], ["unknown key 'seeed'", "did you mean 'seed'"]),
         (["train.epochs=abc"], ["train.epochs", "abc", "Integer"]),
-        (["dist.strategy=dpp"], ["dist.strategy", "did you mean 'ddp'", "auto, none, ddp"]),
+        (
+            ["dist.strategy=ddpp"],
+            ["dist.strategy", "did you mean 'ddp'", "auto, none, ddp, fsdp, dp"],
+        ),
         (["optim.name=adamm"], ["optim.name", "did you mean 'adam'"]),
         (["model.name=lenett"], ["model.name", "did you mean 'lenet'", "lenet, mlp"]),
         (["data.name=digitz"], ["data.name", "did you mean 'digits'"]),

@@ -45,10 +45,33 @@ class SyntheticConfig:
 
 
 @dataclass(kw_only=True)
+class TextConfig:
+    """data.name=text: byte-level tokens (a vocabulary of 256) for the language-model task."""
+
+    path: str | None = None
+    """A text file, or a folder of them (every file under it, sorted). null: the running
+    Python's own standard-library .py sources (about 14 MB, nothing to download)."""
+    seq_len: int = 256
+    """Tokens (bytes) the model reads per sample; each sample predicts the next byte at every
+    position."""
+    max_train_bytes: int | None = None
+    """Use only the first N bytes of the training split (null: all of it)."""
+    max_test_bytes: int | None = None
+    """Use only the first N bytes of the test split: evaluation reads all of it every time."""
+
+    def __post_init__(self) -> None:
+        _positive("data.text.seq_len", self.seq_len)
+        for key in ("max_train_bytes", "max_test_bytes"):
+            value = getattr(self, key)
+            if value is not None:
+                _positive(f"data.text.{key}", value)
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     name: str = "digits"
-    """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic,
-    or `package.module:factory`."""
+    """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic |
+    text, or `package.module:factory`."""
     root: str = "data"
     """Folder holding on-disk datasets (mnist, fashion_mnist, cifar10, imagefolder); the error
     for a missing folder names the files to put there."""
@@ -90,6 +113,7 @@ class DataConfig:
     """Move the whole in-memory dataset to the device once; batches are gathered and augmented
     there, with no per-step host-to-device copy. A no-op move on CPU."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    text: TextConfig = field(default_factory=TextConfig)
 
     def __post_init__(self) -> None:
         _positive("data.global_batch_size", self.global_batch_size)
@@ -114,9 +138,24 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
+class GPTConfig:
+    """model.name=gpt: a decoder-only transformer (vocabulary and sequence length: the data's)."""
+
+    layers: int = 4
+    width: int = 128
+    """Embedding width; a multiple of heads."""
+    heads: int = 4
+
+    def __post_init__(self) -> None:
+        _positive("model.gpt.layers", self.layers)
+        _positive("model.gpt.width", self.width)
+        _positive("model.gpt.heads", self.heads)
+
+
+@dataclass(kw_only=True)
 class ModelConfig:
     name: str = "mlp"
-    """Model: mlp | lenet | resnet18 | vgg11, or `package.module:factory`."""
+    """Model: mlp | lenet | resnet18 | vgg11 | gpt, or `package.module:factory`."""
     hidden: list[int] = field(default_factory=lambda: [256, 128])
     """Hidden layer widths (mlp)."""
     dropout: float = 0.0
@@ -130,6 +169,7 @@ class ModelConfig:
     sync_bn: bool = False
     """Under DDP, replace BatchNorm by SyncBatchNorm (batch statistics over the global batch, so
     BN models match a single process). torch supports it on CUDA only. World 1: no change."""
+    gpt: GPTConfig = field(default_factory=GPTConfig)
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for the factory (useful for plug-ins)."""
 
@@ -205,6 +245,9 @@ class TrainConfig:
     """torch.compile the model (after DDP wrapping)."""
     channels_last: bool = False
     """channels_last memory format for 4-D inputs and conv weights (faster convs on GPU)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's (or residual stage's) activations in the backward
+    pass instead of keeping them: less memory, about a third more compute. Same numbers."""
 
     def __post_init__(self) -> None:
         _positive("train.epochs", self.epochs)
@@ -223,7 +266,9 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class DistConfig:
     strategy: str = "auto"
-    """auto (ddp when world > 1) | none (world 1 only) | ddp."""
+    """auto (ddp when world > 1, else none) | none (world 1 only) | ddp | fsdp (FSDP2: parameters,
+    gradients and optimizer state sharded over the ranks) | dp (nn.DataParallel over this
+    process's GPUs; one process only)."""
     backend: str = "auto"
     """auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
     device: str = "auto"
@@ -232,10 +277,24 @@ class DistConfig:
     """Bound on any collective and on process-group setup: a lost peer fails, never hangs."""
 
     def __post_init__(self) -> None:
-        check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp"))
+        check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp", "fsdp", "dp"))
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
         _positive("dist.timeout_s", self.timeout_s)
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """dist.strategy=fsdp. Sharding units: each transformer block (each residual stage of a
+    ResNet), then the root; mixed precision follows train.precision (bf16/fp16 parameters and
+    compute, fp32 gradient reduction and fp32 master weights)."""
+
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gather again for the backward):
+    less memory, one more all-gather per unit. false keeps them until the backward (ZeRO-2)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in CPU memory between uses
+    (CUDA only): fits larger models, slower steps."""
 
 
 @dataclass(kw_only=True)
@@ -298,6 +357,7 @@ class Config:
     sched: SchedConfig = field(default_factory=SchedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     log: LogConfig = field(default_factory=LogConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     repro: ReproConfig = field(default_factory=ReproConfig)

@@ -64,7 +64,11 @@ class Split(Protocol):
     def __len__(self) -> int: ...
 
     def take(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored inputs (uint8 pixels or floats) and targets of samples `idx`."""
+        """Stored inputs (uint8 pixels, floats or tokens) and targets of samples `idx`."""
+        ...
+
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Samples lo..hi-1 (views where the storage allows)."""
         ...
 
 
@@ -105,6 +109,9 @@ class ArrayDataset(torch.utils.data.Dataset):
             idx = torch.from_numpy(np.asarray(idx, dtype=np.int64))
         return self.x[idx], self.y[idx]
 
+    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[lo:hi], self.y[lo:hi]  # views: nothing is copied
+
     def to(self, device: str | torch.device) -> ArrayDataset:
         """A copy on `device` (the same object when already there)."""
         if self.x.device == torch.device(device):
@@ -128,6 +135,9 @@ class LoaderOptions:
     device_resident: bool = False
 
 
+TASKS = ("classification", "regression", "lm")
+
+
 @dataclass(frozen=True)
 class DataSpec:
     """What the rest of the job needs to know about a dataset."""
@@ -136,7 +146,7 @@ class DataSpec:
     """An ArrayDataset, or a lazy split such as trainer.datasets.folder.FolderDataset."""
     test: Split
     task: str
-    """classification | regression"""
+    """classification | regression | lm (next-token prediction: targets are token sequences)"""
     in_shape: tuple[int, ...]
     """One sample's input shape, e.g. (1, 8, 8)."""
     num_classes: int
@@ -144,13 +154,20 @@ class DataSpec:
     target_scale: float = 1.0
     """Regression: the std the targets were divided by; eval reports MSE and MAE in the
     target's own units (times this, squared for MSE)."""
+    source: dict = field(default_factory=dict)
+    """Where the data came from (e.g. a corpus and its sha256), recorded in run.json."""
     loader: LoaderOptions = field(default_factory=LoaderOptions)
     _loaders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """DataLoaders kept across epochs, so persistent workers persist."""
 
+    @property
+    def tokens_per_sample(self) -> int:
+        """Loss terms per sample: the sequence length for lm, else 1."""
+        return self.in_shape[0] if self.task == "lm" else 1
+
     def __post_init__(self) -> None:
-        if self.task not in ("classification", "regression"):
-            raise ValueError(f"task must be classification or regression, got {self.task!r}")
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if len(self.train) == 0 or len(self.test) == 0:
             raise UsageError("the dataset has an empty train or test split: check data.* settings")
 
@@ -169,7 +186,7 @@ def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
         )
     train, test = spec.train, spec.test
     if cfg.device_resident:
-        if not (isinstance(train, ArrayDataset) and isinstance(test, ArrayDataset)):
+        if train.lazy or test.lazy:
             raise UsageError(
                 f"data.device_resident=true needs an in-memory dataset, but {cfg.name} decodes "
                 "files per sample: set data.device_resident=false (and data.num_workers to decode "
@@ -225,7 +242,7 @@ def eval_batches(
     to_float = _float_converter(spec.test, opts.device)
     if opts.device_resident:
         for lo, hi in sampler.eval_spans(len(spec.test), batch, rank, world_size):
-            x, y = spec.test.x[lo:hi], spec.test.y[lo:hi]  # views: nothing is copied
+            x, y = spec.test.span(lo, hi)
             yield to_float(x), y
         return
     keys = [(0, None, idx) for idx in sampler.eval_batches(len(spec.test), batch, rank, world_size)]

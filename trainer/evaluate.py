@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -15,31 +16,45 @@ from trainer.strategy import unwrap
 
 @torch.inference_mode()
 def evaluate(model, spec: data.DataSpec, world: World, batch: int) -> dict:
-    """Loss and accuracy (classification) or MSE and MAE (regression, in the target's own
-    units) over the whole test split, each sample counted once across ranks."""
+    """Metrics over the whole test split, each sample counted once across ranks:
+
+    - classification: loss, accuracy;
+    - regression: loss (MSE of the standardised target), mse and mae in the target's own units;
+    - lm: loss per token, perplexity, bits_per_byte (tokens are bytes), next-byte accuracy.
+    """
     net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
     was_training = net.training
     net.eval()
-    # loss sum, correct (classification) or absolute-error sum (regression), count
+    # loss sum, correct (classification, lm) or absolute-error sum (regression), loss terms
     totals = torch.zeros(3, dtype=torch.float64, device=world.device)
     for x, y in data.eval_batches(spec, batch, world.rank, world.size):
         x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
         out = net(x)
         totals[0] += loss_sum(spec.task, out, y).double()
-        if spec.task == "classification":
-            totals[1] += (out.argmax(dim=1) == y).sum()
-        else:
+        if spec.task == "regression":
             totals[1] += (out - y.reshape(out.shape).to(out.dtype)).abs().sum().double()
-        totals[2] += len(y)
+        else:
+            totals[1] += (out.argmax(dim=-1) == y).sum()
+        totals[2] += y.numel() if spec.task == "lm" else len(y)
     ranks.all_reduce_sum(totals)
     net.train(was_training)
-    loss_total, second, count = totals.tolist()
-    result = {"loss": loss_total / count, "count": int(count)}
+    loss_total, second, terms = totals.tolist()
+    loss = loss_total / terms
+    if spec.task == "lm":
+        return {
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 700.0)),
+            "bits_per_byte": loss / math.log(2),
+            "accuracy": second / terms,
+            "tokens": int(terms),
+            "count": int(terms) // spec.tokens_per_sample,
+        }
+    result = {"loss": loss, "count": int(terms)}
     if spec.task == "classification":
-        result["accuracy"] = second / count
+        result["accuracy"] = second / terms
     else:  # the loss is the MSE of standardised targets; report both in the target's units
-        result["mse"] = loss_total / count * spec.target_scale**2
-        result["mae"] = second / count * spec.target_scale
+        result["mse"] = loss * spec.target_scale**2
+        result["mae"] = second / terms * spec.target_scale
     return result
 
 

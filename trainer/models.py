@@ -1,12 +1,13 @@
 """Model factories. Built-ins and `package.module:factory` plug-ins are called the same way.
 
 A factory receives, by keyword and only if its signature names them: in_shape, in_channels,
-num_classes (from the dataset unless model.* sets them), hidden, dropout, activation; plus
-everything in model.kwargs.
+num_classes (from the dataset unless model.* sets them), hidden, dropout, activation, layers,
+width, heads (model.gpt.*); plus everything in model.kwargs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 
 from torch import nn
@@ -170,6 +171,7 @@ def build(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.M
         "hidden": tuple(cfg.hidden),
         "dropout": cfg.dropout,
         "activation": cfg.activation,
+        **dataclasses.asdict(cfg.gpt),  # layers, width, heads
     }
     params = inspect.signature(factory).parameters
     kwargs = {k: v for k, v in offered.items() if k in params}

@@ -18,6 +18,7 @@ DATASETS: dict[str, str] = {
     "cifar10": "trainer.datasets.vision:cifar10",
     "imagefolder": "trainer.datasets.folder:imagefolder",
     "synthetic": "trainer.datasets.synthetic:synthetic",
+    "text": "trainer.datasets.text:text",
 }
 
 MODELS: dict[str, str] = {
@@ -25,6 +26,7 @@ MODELS: dict[str, str] = {
     "lenet": "trainer.models:lenet",
     "resnet18": "trainer.models:resnet18",
     "vgg11": "trainer.models:vgg11",
+    "gpt": "trainer.gpt:gpt",
 }
 
 _TABLES = {"data.name": DATASETS, "model.name": MODELS}

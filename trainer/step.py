@@ -1,10 +1,10 @@
 """One optimizer step on this rank's slice of the global batch.
 
-Loss normalisation: each rank sums its samples' losses and scales by world_size/global_count;
-data parallelism averages gradients over ranks, so every step's gradient is
-sum(all losses) / global_count, exactly a single-process step on the whole global batch (the world
-size changes only the order of the floating-point sum). A rank with an empty slice contributes
-zero and still joins the gradient all-reduce.
+Loss normalisation: each rank sums its loss terms (one per sample; one per token for lm) and
+scales by world_size / global_terms; data parallelism averages gradients over ranks, so every
+step's gradient is sum(all loss terms) / global_terms, exactly a single-process step on the whole
+global batch (the world size changes only the order of the floating-point sum). A rank with an
+empty slice contributes zero and still joins the gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -25,9 +25,11 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) loss over this rank's samples; 0 for an empty slice."""
+    """Summed (not averaged) loss over this rank's samples (tokens, for lm); 0 for an empty slice."""
     if task == "classification":
         return F.cross_entropy(out, y, reduction="sum")
+    if task == "lm":  # out (B, T, vocab), y (B, T): every position predicts the next token
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
     return F.mse_loss(out, y.reshape(out.shape).to(out.dtype), reduction="sum")
 
 
@@ -56,6 +58,8 @@ class TrainStep:
     world_size: int = 1
     device: str = "cpu"
     strategy: Strategy = field(default_factory=Strategy)
+    tokens_per_sample: int = 1
+    """Loss terms per sample (the sequence length for lm): the loss is normalised per term."""
     skipped_steps: int = 0
     """fp16 steps skipped for an inf/nan gradient."""
 
@@ -66,24 +70,28 @@ class TrainStep:
         return list(zip(x.split(micro), y.split(micro), strict=True))
 
     def __call__(self, x, y, global_count: int) -> torch.Tensor:
-        """Returns this rank's share of the step's global mean loss (detached)."""
+        """Returns this rank's share of the step's global mean loss (detached).
+
+        global_count: samples in the whole global batch, over all ranks.
+        """
         if self.cfg.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
         self.optimizer.zero_grad(set_to_none=True)
         dtype = _DTYPES[self.cfg.precision]
         device_type = torch.device(self.device).type
         chunks = self._chunks(x, y)
+        terms = global_count * self.tokens_per_sample
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for i, (xc, yc) in enumerate(chunks):
             last = i == len(chunks) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
                     local = loss_sum(self.task, self.model(xc), yc)
-                # Sum of losses x world / global count: after the gradient average, sum/global_count.
-                self.scaler.scale(local * (self.world_size / global_count)).backward()
+                # Sum of losses x world / global terms: after the gradient average, sum / terms.
+                self.scaler.scale(local * (self.world_size / terms)).backward()
             total += local.detach().float()
         self._update()
-        return total / global_count
+        return total / terms
 
     def _update(self) -> None:
         """Clip, step (skipped on an fp16 overflow), update the loss scale, advance the lr."""
