@@ -139,6 +139,17 @@ def slow_mlp(in_shape, num_classes, hidden=(32,), dropout=0.0, delay=0.02):
     return model
 
 
+def slow_gpt(in_shape, num_classes, layers=2, width=32, heads=2, dropout=0.0, delay=0.02):
+    """The built-in GPT plus a sleep per training forward (see slow_mlp)."""
+    import time
+
+    from trainer.gpt import gpt
+
+    model = gpt(in_shape, num_classes, layers=layers, width=width, heads=heads, dropout=dropout)
+    model.register_forward_pre_hook(lambda *_: time.sleep(delay) if model.training else None)
+    return model
+
+
 def wait_for(predicate, timeout: float, what: str, proc=None, interval: float = 0.05):
     """Poll until predicate() is truthy; fail with `what` (and the process's output) on timeout."""
     import time

@@ -312,3 +312,26 @@ def test_ckpt_dir_moves_checkpoints_and_resume_never_starts_over(tmp_path, capsy
     assert "resumed from" not in capsys.readouterr().out and summary["steps"] == 12
     a, c = (load_file(str(tmp_path / r / "final" / "model.safetensors")) for r in "ac")
     assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_non_tensor_items_in_shards_load_without_running_code(tmp_path):
+    """The optimizer's hyperparameters travel as pickled bytes inside the shards."""
+    import io
+    import os
+    import pickle
+
+    from trainer.checkpoint.sharded import SafeLoadPlanner
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    buf = io.BytesIO()
+    torch.save({"lr": Payload()}, buf)
+    buf.seek(0)
+    planner = SafeLoadPlanner()
+    with pytest.raises(pickle.UnpicklingError):
+        planner.load_bytes(None, buf)
+    assert not marker.exists()

@@ -325,3 +325,47 @@ def test_a_lost_pod_is_recreated_and_the_group_resumes_from_the_shared_checkpoin
         f"after {b_ckpt}, pod 1 exited {survivor} {survivor_s:.1f} s later, both recreated, "
         f"resumed; done in {wall:.1f} s, max |dw| vs the local run {worst:g}"
     )
+
+
+# The documented override (docs/kubernetes.md): the same overlay trains the GPT with FSDP.
+GPT_FSDP = (
+    "model.name=gpt data.name=text model.gpt.layers=2 model.gpt.width=32 model.gpt.heads=2 "
+    "data.text.seq_len=32 data.text.max_train_bytes=40000 data.text.max_test_bytes=4000 "
+    "data.global_batch_size=8 train.max_steps=12 ckpt.every_steps=6 dist.strategy=fsdp"
+)
+
+
+def test_the_gpt_with_fsdp_trains_across_the_pods_with_shards_on_shared_storage(tmp_path):
+    pods = kube.pods(kube.render(OVERLAY))
+    (tmp_path / "pods").mkdir()
+    with _network(pods) as net:
+        cluster = Cluster(tmp_path / "pods", net, {"TRAIN_ARGS": GPT_FSDP})
+        try:
+            codes = cluster.run_all()
+        finally:
+            cluster.close()
+    assert codes == [0] * len(pods), cluster.logs()
+    run_dir = cluster.run_dir
+    step = run_dir / "checkpoints" / "step-000000012"
+    meta = json.loads((step / "meta.json").read_text())
+    assert meta["format"] == "sharded" and meta["world_size"] == len(pods)
+    shards = sorted(p.name for p in (step / "dcp").iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one per pod, one folder
+    # the same config and overrides as a local two-process run: the same numbers
+    config_file = (
+        tmp_path / "pods" / "configmap" / next(iter(kube.one(cluster.objs, "ConfigMap")["data"]))
+    )
+    local = tmp_path / "local"
+    p = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "trainer", "train", "--config", str(config_file), *GPT_FSDP.split(),
+         f"run_dir={local}"],
+        env=env(), capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["config"]["dist"]["strategy"] == "fsdp" and summary["world_size"] == 2
+    assert summary["eval"]["bits_per_byte"] == pytest.approx(
+        json.loads((local / "summary.json").read_text())["eval"]["bits_per_byte"], rel=1e-5
+    )
+    _assert_same_weights(run_dir, local)

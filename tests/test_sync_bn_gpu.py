@@ -21,7 +21,7 @@ STEPS = 6
 def _train(rank: int, world: int, port: int, sync_bn: bool, out: str) -> None:
     import torch.distributed as dist
 
-    from trainer import strategy
+    from trainer import config, strategy
     from trainer.config import ModelConfig
     from trainer.models import build
     from trainer.ranks import World
@@ -45,7 +45,8 @@ def _train(rank: int, world: int, port: int, sync_bn: bool, out: str) -> None:
         )
     torch.manual_seed(0)
     model = build(ModelConfig(name="vgg11"), (3, 8, 8), 4).cuda()
-    model = strategy.choose("auto", me, sync_bn=sync_bn).wrap(model, me)
+    cfg = config.load(None, [f"model.sync_bn={str(sync_bn).lower()}"])
+    model = strategy.choose(cfg, me).wrap(model, me)
     synced = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer import data, ranks
+from trainer import data, metrics, ranks
 from trainer.checkpoint import store
 from trainer.errors import UsageError
 from trainer.strategy import unwrap
@@ -42,18 +42,18 @@ def check(run: Run) -> dict:
         torch.cuda.reset_peak_memory_stats(world.device)
     plan = run.epoch_plan(0)
     report["last_batch"] = _last_batch_step(run, plan)
+    report["memory"] = ranks.gather_objects(run.memory())  # after a step: gradients, optimizer
     report["eval_batch"] = _eval_batch(run)
     report["checkpoint"] = _checkpoint_round_trip(run)
     if world.on_cuda:
         report["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(world.device) / 2**30
     lb, ev, ck = report["last_batch"], report["eval_batch"], report["checkpoint"]
-    peak = report.get("peak_gpu_memory_gib")
     run.log.info(
         f"dry run ok: last batch (step {lb['step_in_epoch'] + 1}/{len(plan)}, "
         f"{lb['global_samples']} samples over {world.size} rank(s)) loss {lb['loss']:.4f} in "
         f"{lb['seconds']:.2f} s | eval batch {ev['global_samples']} samples | checkpoint "
-        f"{ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in {ck['seconds']:.2f} s"
-        + (f" | peak GPU memory {peak:.2f} GiB" if peak is not None else "")
+        f"{ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in {ck['seconds']:.2f} s\n"
+        f"{metrics.memory_line(report['memory']) if world.is_main else ''}"
     )
     return report
 
@@ -101,22 +101,49 @@ def _checkpoint_round_trip(run: Run) -> dict:
     scratch = ranks.broadcast_object(os.path.join(ckpt.root, f".dry-run-{uuid.uuid4().hex[:8]}"))
     started = time.perf_counter()
     path = ckpt.save(run.state, {}, "dry-run", root=scratch)
-    error, size = None, 0
     try:
-        store.verify(path)
-        payload = store.read(path)
-        for name, tensor in unwrap(run.model).state_dict().items():
-            if not torch.equal(payload["model"][name], tensor.detach().cpu()):
-                raise UsageError(f"the round trip changed {name}")
-        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
-    except (UsageError, store.CorruptCheckpoint, OSError) as e:
-        error = f"rank {world.rank}: {e}"
-    errors = ranks.gather_objects(error)  # also: every rank is done reading before the delete
-    first = ranks.broadcast_object(next((e for e in errors if e), None) if world.is_main else None)
-    if world.is_main:
-        shutil.rmtree(scratch, ignore_errors=True)
-        with contextlib.suppress(OSError):  # leave no empty checkpoints folder behind
-            os.rmdir(ckpt.root)
+        first = _agree(world, lambda: store.verify(path))  # per rank: no collective inside
+        if not first:
+            first = _agree(world, lambda: _same_weights(run, path))
+        size = (
+            0
+            if first
+            else sum(os.path.getsize(os.path.join(path, f)) for f in store.files_under(path))
+        )
+    finally:
+        ranks.gather_objects(None)  # every rank is done reading before the delete
+        if world.is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
+            with contextlib.suppress(OSError):  # leave no empty checkpoints folder behind
+                os.rmdir(ckpt.root)
     if first:
         raise UsageError(f"dry run: checkpoint round trip in {ckpt.root} failed ({first})")
     return {"bytes": size, "seconds": time.perf_counter() - started}
+
+
+def _agree(world, check) -> str | None:
+    """Run `check` on every rank; the first rank's error, on every rank (None if all passed)."""
+    error = None
+    try:
+        check()
+    except (UsageError, store.CorruptCheckpoint, OSError) as e:
+        error = f"rank {world.rank}: {e}"
+    errors = ranks.gather_objects(error)
+    return ranks.broadcast_object(next((e for e in errors if e), None) if world.is_main else None)
+
+
+def _same_weights(run: Run, path: str) -> None:
+    """The checkpoint holds exactly this rank's live weights (its shards, when sharded)."""
+    if store.is_sharded(path):
+        from trainer.checkpoint import sharded
+
+        saved, live = (
+            sharded.read_local_model(run.model, path),
+            sharded.local_model_state(run.model),
+        )
+    else:
+        saved = store.read(path)["model"]
+        live = {k: v.detach().cpu() for k, v in unwrap(run.model).state_dict().items()}
+    for name, tensor in live.items():
+        if not torch.equal(saved[name], tensor):
+            raise UsageError(f"the round trip changed {name}")

@@ -37,6 +37,19 @@ def write_json(path: str, obj) -> None:
     os.replace(tmp, path)
 
 
+def memory_line(memory: list[dict]) -> str:
+    """One console line for the ranks' memory reports (the largest rank's)."""
+    mib = lambda b: f"{b / 2**20:,.1f} MiB"  # noqa: E731
+    r = max(memory, key=lambda m: m["total_bytes"])
+    line = (
+        f"per rank: params {mib(r['param_bytes'])} + grads {mib(r['grad_bytes'])} + optimizer "
+        f"{mib(r['optimizer_bytes'])} = {mib(r['total_bytes'])}"
+    )
+    if "peak_gpu_bytes" in r:
+        line += f" | peak GPU memory {mib(max(m['peak_gpu_bytes'] for m in memory))}"
+    return line
+
+
 def _fmt(record: dict) -> str:
     parts = []
     for k, v in record.items():

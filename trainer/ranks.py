@@ -154,13 +154,14 @@ _control_group = None  # a gloo group, set by _init when the main backend is not
 
 
 @contextlib.contextmanager
-def process_group(world: World, timeout_s: int):
-    """Join the job's process group (world > 1) for the block, and leave it whatever happens.
+def process_group(world: World, timeout_s: int, *, even_alone: bool = False):
+    """Join the job's process group (world > 1, or a group of one with even_alone) for the
+    block, and leave it whatever happens.
 
     Setup and every collective are bounded by timeout_s; a lost peer or a timed-out collective
     inside the block becomes a RetryableError (exit 4, one line).
     """
-    _init(world, timeout_s)
+    _init(world, timeout_s, even_alone)
     try:
         with peer_failures_are_retryable(world, timeout_s):
             yield
@@ -168,31 +169,27 @@ def process_group(world: World, timeout_s: int):
         _teardown()
 
 
-def _init(world: World, timeout_s: int) -> None:
+def _init(world: World, timeout_s: int, even_alone: bool) -> None:
     global _control_group
     import torch
     import torch.distributed as dist
 
     if world.on_cuda:
         torch.cuda.set_device(torch.device(world.device))
-    if not world.distributed:
+    if not (world.distributed or even_alone):
         return
-    kwargs = {}
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
     if world.backend == "nccl":
         # Eager NCCL init: a broken GPU or network fails here, not in the first step.
         kwargs["device_id"] = torch.device(world.device)
-    timeout = datetime.timedelta(seconds=timeout_s)
+    if world.distributed:
+        kwargs.update(init_method="env://", rank=world.rank, world_size=world.size)
+    else:  # a group of one: an in-memory store, nothing to rendezvous with
+        kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
     try:
-        dist.init_process_group(
-            backend=world.backend,
-            init_method="env://",
-            rank=world.rank,
-            world_size=world.size,
-            timeout=timeout,
-            **kwargs,
-        )
+        dist.init_process_group(backend=world.backend, **kwargs)
         if world.backend != "gloo":
-            _control_group = dist.new_group(backend="gloo", timeout=timeout)
+            _control_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
     except dist.DistError as e:
         raise RetryableError(
             f"could not form the process group at {world.master_addr}:{world.master_port} within "

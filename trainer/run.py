@@ -18,7 +18,7 @@ from trainer.metrics import RunLogger
 from trainer.ranks import World
 from trainer.signals import StopSignal
 from trainer.step import TrainStep, make_scaler
-from trainer.strategy import Strategy
+from trainer.strategy import Strategy, checkpoint_activations, rank_memory
 
 
 @dataclass(kw_only=True, eq=False)
@@ -56,6 +56,14 @@ class Run:
     def epoch_plan(self, epoch: int) -> sampler.EpochPlan:
         return epoch_plan(self.cfg, len(self.data.train), epoch)
 
+    def memory(self) -> dict:
+        """This rank's parameter, gradient and optimizer bytes (its shards under fsdp), and
+        the peak GPU memory torch allocated."""
+        report = rank_memory(self.model, self.step.optimizer)
+        if self.world.on_cuda:
+            report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.world.device)
+        return report
+
     def banner(self) -> str:
         cfg, w = self.cfg, self.world
         return (
@@ -91,6 +99,8 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
     model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(world.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if cfg.train.activation_checkpointing:
+        checkpoint_activations(model)
     model = strategy.wrap(model, world)
     if cfg.train.compile:
         model = torch.compile(model)  # after DDP: compiled graphs break at its bucket boundaries
@@ -107,8 +117,11 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         world_size=world.size,
         device=world.device,
         strategy=strategy,
+        tokens_per_sample=spec.tokens_per_sample,
     )
     log = RunLogger(main=world.is_main, progress=cfg.log.progress, total_steps=total)
+    if note := strategy.note(world):
+        log.info(note)
     ckpt = Checkpointer(cfg, world, step, log)
     state, results = ckpt.restore()
     return Run(

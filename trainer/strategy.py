@@ -1,19 +1,24 @@
-"""How the model is spread over ranks (none | ddp), behind one small interface.
+"""How the model is spread over ranks: none | ddp | fsdp | dp, behind one small interface.
 
 A Strategy wraps the model for training, turns off the gradient sync for all micro-steps but the
-last, and gives the plain module back (`unwrap`) for saving, exporting and evaluation.
+last, moves whole (unsharded) state dicts in and out, and says whether its checkpoints are
+sharded (every rank writes its part with torch.distributed.checkpoint) or whole (rank 0 writes).
+`unwrap` gives the user's module back; a state dict never carries `module.`/`_orig_mod.`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
-from trainer.errors import UsageError
+from trainer.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
+    from trainer.config import Config
     from trainer.ranks import World
 
 
@@ -21,13 +26,34 @@ class Strategy:
     """none: the model as it is, in one process."""
 
     name = "none"
+    sharded = False
+    """Checkpoints are DCP shards written by every rank (else whole files written by rank 0)."""
+    needs_group = False
+    """A process group even for one process."""
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         return model
 
+    def note(self, world: World) -> str | None:
+        """A line for the user about this choice (rank 0 prints it), or None."""
+        return None
+
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         """Around a micro-step whose gradients must not be synchronised yet."""
         return contextlib.nullcontext()
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The whole model's weights as plain CPU tensors (a collective for sharded strategies;
+        only rank 0 is guaranteed to receive them)."""
+        return plain_state_dict(model)
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load whole weights (every rank passes all of them) into the wrapped model."""
+        unwrap(model).load_state_dict(state)
+
+    def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        """Load torch's own (whole, index-keyed) optimizer state_dict."""
+        optimizer.load_state_dict(state)
 
 
 class DDP(Strategy):
@@ -51,18 +77,216 @@ class DDP(Strategy):
         return model.no_sync()
 
 
-def choose(name: str, world: World, *, sync_bn: bool = False) -> Strategy:
-    """The strategy dist.strategy names, for this world size (auto: ddp on several ranks)."""
+_MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class FSDP(Strategy):
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
+
+    Each shard unit (transformer block, ResNet stage) is sharded on its own, then the root, so
+    only one unit's parameters are gathered at a time. train.precision bf16/fp16 computes in
+    that dtype and reduces gradients in fp32 into fp32 master shards.
+    """
+
+    name = "fsdp"
+    sharded = True
+    needs_group = True
+    """Even on one rank: FSDP2 and DCP work on a device mesh, which needs a process group."""
+
+    def __init__(self, precision: str, reshard_after_forward: bool, cpu_offload: bool):
+        self.precision = precision
+        self.reshard_after_forward = reshard_after_forward
+        self.cpu_offload = cpu_offload
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        mesh = init_device_mesh(torch.device(world.device).type, (world.size,))
+        dtype = _MP_DTYPES.get(self.precision)
+        policy = MixedPrecisionPolicy(
+            param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None
+        )
+        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+        options = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
+        for unit in shard_units(model):
+            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
+        # The root's parameters (embeddings, head) are needed again at once by the backward.
+        fully_shard(model, reshard_after_forward=False, **options)
+        return model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module):
+        model.set_requires_gradient_sync(False)  # accumulate unsharded; reduce-scatter at the last
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+
+    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(model, options=options)  # all-gathers; rank 0 keeps it
+        return {k: v.contiguous().clone() for k, v in state.items()}
+
+    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        keyed = _by_parameter_name(model, state)
+        options = StateDictOptions(full_state_dict=True)
+        set_optimizer_state_dict(model, optimizer, keyed, options=options)
+
+
+class DataParallel(Strategy):
+    """Legacy single-process nn.DataParallel over this process's GPUs (the tutorials' first
+    step). Each step scatters the batch and replicates the model from GPU 0; DDP is faster."""
+
+    name = "dp"
+
+    def note(self, world: World) -> str | None:
+        gpus = torch.cuda.device_count() if world.on_cuda else 0
+        where = f"over {gpus} GPU(s)" if gpus else "on the CPU (it only splits work over GPUs)"
+        return (
+            f"warning: dist.strategy=dp runs nn.DataParallel {where} in one process; "
+            "dist.strategy=ddp under torchrun --nproc-per-node=N (one process per GPU) is faster"
+        )
+
+    def wrap(self, model: nn.Module, world: World) -> nn.Module:
+        if not world.on_cuda:
+            return model  # DataParallel on the CPU is the bare module (and would want GPU 0)
+        return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())))
+
+
+def choose(cfg: Config, world: World) -> Strategy:
+    """The strategy dist.strategy names, checked against this world (auto: ddp on several ranks).
+
+    Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
+    """
+    name = cfg.dist.strategy
     if name == "auto":
         name = "ddp" if world.distributed else "none"
     if name == "none" and world.distributed:
-        raise UsageError(
+        raise ConfigError(
             f"dist.strategy=none cannot run on {world.size} ranks (each would train alone): "
             "use dist.strategy=ddp or auto, or launch one process"
         )
+    if name == "dp" and world.distributed:
+        raise ConfigError(
+            f"dist.strategy=dp is single-process nn.DataParallel, but {world.size} processes were "
+            "launched: use dist.strategy=ddp under torchrun (one process per GPU), or launch one"
+        )
+    if name == "fsdp":
+        if cfg.model.sync_bn:
+            raise ConfigError(
+                "model.sync_bn=true works with dist.strategy=ddp; under fsdp each rank normalises "
+                "with its own slice's statistics: set model.sync_bn=false"
+            )
+        if cfg.fsdp.cpu_offload and not world.on_cuda:
+            raise ConfigError(
+                "fsdp.cpu_offload=true moves shards off the GPU, but this run computes on the CPU: "
+                "set fsdp.cpu_offload=false (or dist.device=cuda)"
+            )
+        return FSDP(cfg.train.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
+    if name == "dp":
+        return DataParallel()
     if name == "ddp" and world.distributed:
-        return DDP(sync_bn=sync_bn)
+        return DDP(sync_bn=cfg.model.sync_bn)
     return Strategy()
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks a model is made of: what FSDP shards one by one and activation
+    checkpointing recomputes. A model lists its own (`shard_units()`, as the GPT does);
+    torchvision ResNets give their four residual stages; other models have none."""
+    model = unwrap(model)
+    own = getattr(model, "shard_units", None)
+    if callable(own):
+        return list(own())
+    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]
+    if all(isinstance(s, nn.Module) for s in stages):
+        return stages
+    return []
+
+
+def checkpoint_activations(model: nn.Module) -> None:
+    """Recompute each shard unit's activations in the backward pass instead of storing them.
+
+    The units' forward is wrapped in place (non-reentrant torch.utils.checkpoint), so parameter
+    names, and with them state dicts and checkpoints, do not change.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    units = shard_units(model)
+    if not units:
+        raise UsageError(
+            f"train.activation_checkpointing=true recomputes a model's blocks, but "
+            f"{type(unwrap(model)).__name__} has none that the trainer knows: use model.name=gpt or "
+            "resnet18, give your model a shard_units() method, or set it to false"
+        )
+    for unit in units:
+        forward = unit.forward
+
+        @functools.wraps(forward)
+        def recomputed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        unit.forward = recomputed
+
+
+def rank_memory(model: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state held by this rank (its shards under
+    fsdp; a gradient counted as the size of its parameter, which a backward allocates)."""
+
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    params = [local(p) for p in model.parameters()]
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(
+        p.numel() * p.element_size()
+        for p, q in zip(params, model.parameters(), strict=True)
+        if q.requires_grad
+    )
+    opt_bytes = 0
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                v = local(v)
+                opt_bytes += v.numel() * v.element_size()
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grad_bytes,
+        "optimizer_bytes": opt_bytes,
+        "total_bytes": param_bytes + grad_bytes + opt_bytes,
+    }
+
+
+def _by_parameter_name(model: nn.Module, state: dict) -> dict:
+    """torch's optimizer state_dict (parameters numbered in model.parameters() order) keyed by
+    parameter name instead: the form torch.distributed.checkpoint's set_* functions take."""
+    names = [name for name, _ in unwrap(model).named_parameters()]
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
 
 
 def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:
@@ -84,7 +308,7 @@ def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The user's module without DDP (`module.`) or torch.compile (`_orig_mod.`) wrappers."""
+    """The user's module without DDP/DataParallel (`module.`) or torch.compile (`_orig_mod.`)."""
     while True:
         if hasattr(model, "module") and isinstance(model.module, nn.Module):
             model = model.module
@@ -92,3 +316,10 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = model._orig_mod
         else:
             return model
+
+
+def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, unshared tensors of the unwrapped model: no `module.`/`_orig_mod.` keys."""
+    return {
+        k: v.detach().to("cpu").contiguous().clone() for k, v in unwrap(model).state_dict().items()
+    }

@@ -35,10 +35,10 @@ def train(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None)
             return train(cfg, dry_run=dry_run, stop=own)
     started = time.time()
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
-    how = strategy.choose(cfg.dist.strategy, world, sync_bn=cfg.model.sync_bn)
+    how = strategy.choose(cfg, world)
     check_world_size(cfg, world.size)
     repro.configure(cfg.repro)
-    with ranks.process_group(world, cfg.dist.timeout_s):
+    with ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group):
         run = build(cfg, world, how, stop, started)
         if dry_run:
             return dryrun.check(run)
@@ -103,6 +103,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "git": repro.git_commit() if w.is_main else None,
         "versions": metrics.versions(),
         "argv": sys.argv,
+        "data": run.data.source,
     }
 
 
@@ -111,6 +112,7 @@ def finish(run: Run, record: dict) -> dict:
     state, results, w = run.state, run.results, run.world
     train_time = results["train_time_s"]  # all segments of a resumed run
     skipped = ranks.gather_objects(run.step.skipped_steps)  # fp16 overflow, per rank
+    memory = ranks.gather_objects(run.memory())
     summary = {
         **record,
         "steps": state.step,
@@ -124,14 +126,18 @@ def finish(run: Run, record: dict) -> dict:
         "checkpoint_failures": run.ckpt.failures,
         "precision": run.cfg.train.precision,
         "skipped_steps": skipped,
+        "memory": memory,  # per rank
         "peak_gpu_memory_gib": (
             torch.cuda.max_memory_allocated(w.device) / 2**30 if w.on_cuda else None
         ),
         "config": to_dict(run.cfg),
     }
+    weights = None
+    if w.is_main or run.strategy.sharded:  # gathering shards is a collective
+        weights = run.strategy.full_state_dict(run.model)
     if w.is_main:
         final = os.path.join(run.run_dir, "final")
-        save_weights(run.model, final, metadata={"config": to_yaml(run.cfg)})
+        save_weights(weights, final, metadata={"config": to_yaml(run.cfg)})
         metrics.write_json(os.path.join(run.run_dir, "summary.json"), summary)
         run.log.info(_done_line(run, summary))
     return summary
@@ -139,14 +145,16 @@ def finish(run: Run, record: dict) -> dict:
 
 def _done_line(run: Run, summary: dict) -> str:
     ev = summary["eval"]
-    if "mae" in ev:
+    if "bits_per_byte" in ev:
+        quality = f", {ev['bits_per_byte']:.3f} bits/byte (perplexity {ev['perplexity']:.2f})"
+    elif "mae" in ev:
         quality = f", MSE {ev['mse']:.4g}, MAE {ev['mae']:.4g}"
     else:
         quality = f", accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else ""
     return (
         f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
         f"({summary['samples_per_s']:,.0f} samples/s) | test loss {ev['loss']:.4f}{quality} "
-        f"({ev['count']} samples)\n"
+        f"({ev['count']} samples)\n{metrics.memory_line(summary['memory'])}\n"
         f"run dir: {run.run_dir}  (config.yaml, metrics.jsonl, summary.json, "
         "final/model.safetensors)"
     )

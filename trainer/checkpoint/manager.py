@@ -16,10 +16,9 @@ import torch
 
 from trainer import metrics, ranks, repro
 from trainer.checkpoint import store
-from trainer.checkpoint.weights import load_weights_into, plain_state_dict
+from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, to_dict, to_yaml
-from trainer.errors import ConfigError, RetryableError, UsageError
-from trainer.strategy import unwrap
+from trainer.errors import ConfigError, RetryableError, UsageError, first_line
 
 if TYPE_CHECKING:
     from trainer.metrics import RunLogger
@@ -41,6 +40,8 @@ RESUMABLE_CHANGES = (
     "train.micro_batch_size",
     "train.compile",
     "train.channels_last",
+    "train.activation_checkpointing",
+    "fsdp.",
     "data.root",
     "data.download",
     "data.num_workers",
@@ -144,7 +145,7 @@ class Checkpointer:
             raise ConfigError(error)  # rank 0 decided for everyone: reported once
         if choice is None:
             if self.cfg.ckpt.init_weights:
-                load_weights_into(self.step.model, self.cfg.ckpt.init_weights)
+                load_weights_into(self.step.model, self.cfg.ckpt.init_weights, self.step.strategy)
                 self.log.info(f"initial weights from {self.cfg.ckpt.init_weights}")
             repro.seed_rank(self.cfg.seed, self.world.rank)
             self.last_saved_step = 0  # step 0 needs no checkpoint: a fresh start recreates it
@@ -169,8 +170,13 @@ class Checkpointer:
                 "use the saved values, or start fresh with ckpt.resume=never or a new run_dir"
             )
         step = self.step
-        unwrap(step.model).load_state_dict(payload["model"])
-        step.optimizer.load_state_dict(payload["optimizer"])
+        if store.is_sharded(path):
+            from trainer.checkpoint import sharded
+
+            sharded.load(step.model, step.optimizer, path)
+        else:
+            step.strategy.load_state_dict(step.model, payload["model"])
+            step.strategy.load_optimizer_state(step.model, step.optimizer, payload["optimizer"])
         sched = dict(extra["scheduler"])
         # The lr is a pure function of the step: keep this run's schedule, restore its position.
         sched["lr_lambdas"] = [None] * len(sched.get("lr_lambdas", []))
@@ -202,46 +208,94 @@ class Checkpointer:
         `root` saves elsewhere (the dry run's scratch folder) without pruning or counting it.
         """
         rngs = ranks.gather_objects(repro.rng_state(self.world.device))
-        path, error = None, None
-        if self.world.is_main:
-            started = time.perf_counter()
-            target = root or self.root
-            try:
-                path = self._write(target, state, results, reason, rngs)
-                if root is None:
-                    store.prune(self.root, self.cfg.ckpt.keep_last)
-                took = time.perf_counter() - started
-                if reason != "dry-run":
-                    self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
-            except Exception as e:  # OSError, torch/safetensors write errors: disk full, I/O, ...
-                previous = store.latest_valid(self.root)
-                error = (
-                    f"checkpoint at step {state.step} could not be written to {target} ({e}); "
-                    f"the previous checkpoint is intact: {previous or 'none yet'}"
-                )
+        started = time.perf_counter()
+        target = root or self.root
+        try:
+            if self.step.strategy.sharded:
+                path = self._write_sharded(target, state, results, reason, rngs)
+            else:
+                path = self._write_whole(target, state, results, reason, rngs)
+            error = None
+        except Exception as e:  # OSError, torch/safetensors/DCP write errors: disk full, I/O, ...
+            path, error = None, store.describe_error(e)
+        if error and self.world.is_main:
+            error = (
+                f"checkpoint at step {state.step} could not be written to {target} ({error}); "
+                f"the previous checkpoint is intact: {store.latest_valid(self.root) or 'none yet'}"
+            )
+        # Rank 0 wrote (or sealed) it: its outcome is everyone's.
         path, error = ranks.broadcast_object((path, error))
         if error:
             self.failures += 1
             raise CheckpointWriteError(error)
         if root is None:
+            if self.world.is_main:
+                store.prune(self.root, self.cfg.ckpt.keep_last)
             self.last_saved_step = state.step
+        if reason != "dry-run":
+            took = time.perf_counter() - started
+            self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
         return path
 
-    def _write(self, root: str, state: LoopState, results: dict, reason: str, rngs: list) -> str:
+    def _write_whole(self, root: str, state: LoopState, results: dict, reason: str, rngs):
+        """Rank 0 writes the whole checkpoint; the other ranks hold the same replica."""
+        if not self.world.is_main:
+            return None
         step = self.step
         return store.write(
             root,
             state.step,
-            model=plain_state_dict(step.model),
+            model=step.strategy.full_state_dict(step.model),
             optimizer=step.optimizer.state_dict(),
-            extra={
+            **self._common(state, results, reason, rngs, "whole"),
+        )
+
+    def _write_sharded(self, root: str, state: LoopState, results: dict, reason: str, rngs):
+        """Every rank writes its shards into one temporary directory (rank 0 names it), which
+        rank 0 then seals with the common files and the manifest and renames into place."""
+        path = store.step_dir(root, state.step)
+        tmp, error = None, None
+        if self.world.is_main:
+            try:
+                tmp = store.begin(path)
+            except OSError as e:
+                error = first_line(e)
+        tmp, error = ranks.broadcast_object((tmp, error))
+        if error:
+            raise OSError(error)
+        from trainer.checkpoint import sharded
+
+        try:
+            sharded.save(self.step.model, self.step.optimizer, tmp)  # any rank's failure: all raise
+            if self.world.is_main:
+                missing = sharded.missing_shards(tmp)
+                if missing:
+                    raise OSError(
+                        f"shards {', '.join(missing[:3])} never arrived: ckpt.dir must be storage "
+                        "every node mounts (a shared volume / RWX PVC)"
+                    )
+                store.seal(tmp, **self._common(state, results, reason, rngs, "sharded"))
+                store.commit(tmp, path)
+        except BaseException:
+            if self.world.is_main:
+                store.abort(tmp)
+            raise
+        return path if self.world.is_main else None
+
+    def _common(self, state: LoopState, results: dict, reason: str, rngs, fmt: str) -> dict:
+        """state.pt, meta.json and config.yaml: what every checkpoint holds beside the tensors."""
+        step = self.step
+        return {
+            "extra": {
                 "scheduler": step.scheduler.state_dict(),
                 "scaler": step.scaler.state_dict(),
                 "rng": rngs,
                 "world_size": self.world.size,
             },
-            meta={
+            "meta": {
                 "loop": state.as_dict(),
+                "format": fmt,
+                "strategy": step.strategy.name,
                 "reason": reason,
                 "world_size": self.world.size,
                 "restart_count": self.world.restart_count,
@@ -249,8 +303,8 @@ class Checkpointer:
                 "results": _jsonable(results),
                 "versions": metrics.versions(),
             },
-            config_yaml=to_yaml(self.cfg),
-        )
+            "config_yaml": to_yaml(self.cfg),
+        }
 
     def save_or_warn(self, state: LoopState, results: dict, reason: str) -> None:
         """Periodic saves: a failure is reported loudly but training goes on."""

@@ -1,15 +1,21 @@
 """The on-disk format: one directory per save, written under a temporary name and renamed.
 
     <checkpoint dir>/step-000000460/
-        model.safetensors   unwrapped weights (no `module.`/`_orig_mod.`), CPU tensors
-        optimizer.pt        optimizer state_dict
+        model.safetensors   whole: unwrapped weights (no `module.`/`_orig_mod.`), CPU tensors
+        optimizer.pt        whole: the optimizer's state_dict
+        dcp/                sharded (fsdp) instead of the two above: torch.distributed.checkpoint
+                            files, one per rank (__<rank>_0.distcp) and .metadata, holding
+                            {"model": ..., "optim": ...} keyed by parameter name
         state.pt            scheduler, grad scaler, every rank's RNG states
-        meta.json           loop position, reason, world size, restart count, results, versions, time
+        meta.json           loop position, format, reason, world size, restarts, results, versions
         config.yaml         the resolved config
-        MANIFEST.sha256     sha256 of every file above; written last, checked before loading
+        MANIFEST.sha256     sha256 of every file above (dcp/ included); written last, checked
+                            before loading
 
-Everything loads with torch.load(weights_only=True): plain tensors, numbers, strings, lists,
-dicts. A pickle asking for anything else (code) is refused.
+A whole checkpoint is written by rank 0; a sharded one by every rank into the same temporary
+directory, which rank 0 seals with the manifest and renames. Everything loads without running
+code: torch.load(weights_only=True) (plain tensors, numbers, strings, lists, dicts), safetensors,
+and DCP's own tensor files.
 """
 
 from __future__ import annotations
@@ -28,7 +34,12 @@ import torch
 from trainer.errors import UsageError, first_line
 
 MANIFEST = "MANIFEST.sha256"
-FILES = ("model.safetensors", "optimizer.pt", "state.pt", "meta.json", "config.yaml")
+COMMON = ("state.pt", "meta.json", "config.yaml")
+WHOLE = ("model.safetensors", "optimizer.pt")
+SHARDED_DIR = "dcp"
+SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
+FILES = (*WHOLE, *COMMON)
+"""The files of a whole checkpoint."""
 STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -45,32 +56,58 @@ def _fsync_dir(path: str) -> None:
             os.close(fd)
 
 
+def files_under(folder: str) -> list[str]:
+    """Every file below `folder`, as sorted '/'-separated relative paths."""
+    found = []
+    for here, _dirs, files in os.walk(folder):
+        for name in files:
+            found.append(os.path.relpath(os.path.join(here, name), folder).replace(os.sep, "/"))
+    return sorted(found)
+
+
+def begin(path: str) -> str:
+    """A fresh temporary sibling of `path` to write into; returns its name."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit(tmp: str, path: str) -> None:
+    """Make everything in `tmp` durable, then put it at `path` in one rename (replacing any
+    directory there only once the new one is complete)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    for rel in files_under(tmp):
+        with open(os.path.join(tmp, rel), "rb") as f:
+            os.fsync(f.fileno())
+    old = None
+    if os.path.exists(path):
+        old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(parent)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def abort(tmp: str) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_dir(path: str):
     """Yield a temporary sibling directory; on success it replaces `path` in one rename.
 
     On any error the temporary directory is removed and `path` is left as it was.
     """
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = begin(path)
     try:
         yield tmp
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb") as f:
-                os.fsync(f.fileno())
-        old = None
-        if os.path.exists(path):
-            old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(parent)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        commit(tmp, path)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        abort(tmp)
         raise
 
 
@@ -138,6 +175,11 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(found, reverse=True)
 
 
+def is_sharded(path: str) -> bool:
+    """A sharded (DCP) checkpoint, as opposed to a whole one."""
+    return os.path.isfile(os.path.join(path, SHARDED_METADATA))
+
+
 def verify(path: str) -> None:
     """Raise CorruptCheckpoint unless every file matches the manifest and none is missing."""
     manifest = os.path.join(path, MANIFEST)
@@ -151,7 +193,8 @@ def verify(path: str) -> None:
         if len(parts) != 2:
             raise CorruptCheckpoint(f"malformed {MANIFEST}")
         entries[parts[1]] = parts[0]
-    for name in FILES:
+    needed = (*COMMON, SHARDED_METADATA) if SHARDED_METADATA in entries else FILES
+    for name in needed:
         if name not in entries:
             raise CorruptCheckpoint(f"{MANIFEST} does not list {name}")
     for name, digest in entries.items():
@@ -189,7 +232,7 @@ def write(
     meta: dict,
     config_yaml: str,
 ) -> str:
-    """Write a complete checkpoint for `step` atomically; returns its directory.
+    """Write a complete whole checkpoint for `step` atomically; returns its directory.
 
     `model` is a plain state_dict of CPU tensors (what safetensors stores).
     """
@@ -199,19 +242,25 @@ def write(
     with atomic_dir(path) as tmp:
         save_file(model, os.path.join(tmp, "model.safetensors"))
         _torch_save(optimizer, os.path.join(tmp, "optimizer.pt"))
-        _torch_save(extra, os.path.join(tmp, "state.pt"))
-        with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2, sort_keys=True)
-        with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
-            f.write(config_yaml)
-        lines = [f"{_sha256(os.path.join(tmp, name))}  {name}\n" for name in FILES]
-        with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-            f.writelines(lines)
+        seal(tmp, extra=extra, meta=meta, config_yaml=config_yaml)
     return path
 
 
+def seal(tmp: str, *, extra: dict, meta: dict, config_yaml: str) -> None:
+    """Add the common files to a checkpoint being written in `tmp`, then the manifest of all."""
+    _torch_save(extra, os.path.join(tmp, "state.pt"))
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+    with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
+        f.write(config_yaml)
+    lines = [f"{_sha256(os.path.join(tmp, rel))}  {rel}\n" for rel in files_under(tmp)]
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+        f.writelines(lines)
+
+
 def read(path: str) -> dict:
-    """Read a verified checkpoint: {'model', 'optimizer', 'extra', 'meta', 'config_yaml'}."""
+    """Read a verified checkpoint: {'extra', 'meta', 'config_yaml'} and, if whole, {'model',
+    'optimizer'}; a sharded one's tensors are loaded by the ranks (manager.py)."""
     try:
         with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
             meta = json.load(f)
@@ -219,13 +268,15 @@ def read(path: str) -> dict:
             config_yaml = f.read()
     except (OSError, ValueError) as e:
         raise UsageError(f"{path}: unreadable checkpoint ({e})") from None
-    return {
-        "model": read_safetensors(os.path.join(path, "model.safetensors")),
-        "optimizer": torch_load(os.path.join(path, "optimizer.pt")),
+    payload = {
         "extra": torch_load(os.path.join(path, "state.pt")),
         "meta": meta,
         "config_yaml": config_yaml,
     }
+    if not is_sharded(path):
+        payload["model"] = read_safetensors(os.path.join(path, "model.safetensors"))
+        payload["optimizer"] = torch_load(os.path.join(path, "optimizer.pt"))
+    return payload
 
 
 def prune(root: str, keep_last: int) -> list[str]:
@@ -256,3 +307,13 @@ def remove_stale_temporaries(root: str) -> None:
             os.rename(path, final)
         else:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for an error, reaching inside DCP's CheckpointException to the first rank's."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, cause = sorted(failures.items())[0]
+        inner = getattr(cause, "exc", cause)  # DCP wraps each rank's exception
+        return f"rank {rank}: {first_line(inner) if isinstance(inner, BaseException) else inner}"
+    return first_line(e)

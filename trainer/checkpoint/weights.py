@@ -1,4 +1,5 @@
-"""Plain weights in and out: from a run, a checkpoint or any state_dict file; to safetensors.
+"""Plain weights in and out: from a run, a checkpoint (whole or sharded) or any state_dict file;
+to safetensors.
 
 Weights saved by DataParallel/DDP (`module.`) or torch.compile (`_orig_mod.`) load into the plain
 model, and a GPU-saved file loads on the CPU. `export` writes what loads with safetensors alone.
@@ -14,16 +15,9 @@ from torch import nn
 
 from trainer.checkpoint import store
 from trainer.errors import UsageError
-from trainer.strategy import unwrap
+from trainer.strategy import Strategy, unwrap
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, unshared tensors of the unwrapped model: no `module.`/`_orig_mod.` keys."""
-    return {
-        k: v.detach().to("cpu").contiguous().clone() for k, v in unwrap(model).state_dict().items()
-    }
 
 
 def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -36,38 +30,48 @@ def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def save_weights(model: nn.Module, directory: str, metadata: dict[str, str] | None = None) -> str:
+def save_weights(
+    state: dict[str, torch.Tensor], directory: str, metadata: dict | None = None
+) -> str:
     """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer."""
     from safetensors.torch import save_file
 
     with store.atomic_dir(directory) as tmp:
-        save_file(
-            plain_state_dict(model), os.path.join(tmp, "model.safetensors"), metadata=metadata
-        )
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata=metadata)
     return os.path.join(directory, "model.safetensors")
 
 
-def _weights_file_in(folder: str) -> str:
-    """model.safetensors of the newest valid checkpoint in `folder`, else of its final/."""
-    found = store.latest_in(folder)
-    for candidate in filter(None, (found, os.path.join(folder, "final"))):
-        path = os.path.join(candidate, "model.safetensors")
-        if os.path.isfile(path):
-            return path
-    raise UsageError(
-        f"{folder}: no verified checkpoint or final/model.safetensors inside: "
-        "point at a checkpoint directory, a run directory or a weights file"
-    )
+def _checkpoint_at(folder: str) -> str | None:
+    """The checkpoint `folder` is (verified), or the newest valid one inside it, or None."""
+    if store.is_step_dir(folder):
+        try:
+            store.verify(folder)
+        except store.CorruptCheckpoint as e:
+            raise UsageError(f"{folder}: corrupt checkpoint ({e}): pick another") from None
+        return folder
+    return store.latest_in(folder)
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
-    """Weights from a checkpoint/run dir, .safetensors, or a .pt/.pth/.bin state_dict (any prefix).
+    """Weights from a checkpoint dir (whole or sharded), a run dir (its newest valid checkpoint,
+    else final/), .safetensors, or a .pt/.pth/.bin state_dict (any prefix).
 
     Tensors come back on the CPU whatever device saved them; load_state_dict then copies them
     to wherever the model lives (a GPU checkpoint loads on CPU or on another GPU index).
     """
     if os.path.isdir(path):
-        path = _weights_file_in(path)
+        checkpoint = _checkpoint_at(path)
+        if checkpoint is not None and store.is_sharded(checkpoint):
+            from trainer.checkpoint import sharded
+
+            return sharded.read_model(checkpoint)
+        folder = checkpoint or os.path.join(path, "final")
+        if not os.path.isfile(os.path.join(folder, "model.safetensors")):
+            raise UsageError(
+                f"{path}: no verified checkpoint or final/model.safetensors inside: "
+                "point at a checkpoint directory, a run directory or a weights file"
+            )
+        path = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such weights file or directory")
     if path.endswith(".safetensors"):
@@ -83,16 +87,27 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return strip_prefixes(state)
 
 
-def load_weights_into(model: nn.Module, path: str) -> None:
-    """Load weights (any prefix, any device of origin) into the unwrapped model, strictly."""
+def load_weights_into(model: nn.Module, path: str, strategy: Strategy | None = None) -> None:
+    """Load weights (any prefix, any device of origin, any saving strategy) into `model`,
+    strictly: every name and every shape must match."""
     state = read_weights(path)
-    target = unwrap(model)
-    missing, unexpected = target.load_state_dict(state, strict=False)
+    expected = unwrap(model).state_dict()
+    missing, unexpected = (
+        sorted(expected.keys() - state.keys()),
+        sorted(state.keys() - expected.keys()),
+    )
     if missing or unexpected:
         raise UsageError(
-            f"{path}: weights do not fit model (missing {sorted(missing)[:5]}, unexpected "
-            f"{sorted(unexpected)[:5]}): check model.* matches the run that saved them"
+            f"{path}: weights do not fit model (missing {missing[:5]}, unexpected "
+            f"{unexpected[:5]}): check model.* matches the run that saved them"
         )
+    for name, tensor in expected.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            raise UsageError(
+                f"{path}: weights do not fit model ({name} has shape {tuple(state[name].shape)} "
+                f"there, {tuple(tensor.shape)} here): check model.* matches the run that saved them"
+            )
+    (strategy or Strategy()).load_state_dict(model, state)
 
 
 def find_config(src: str) -> str | None:

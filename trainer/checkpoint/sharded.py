@@ -1,0 +1,172 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP; about 1 s to import, so the
+other checkpoint modules import this one only for a sharded checkpoint): every rank writes and reads its
+own shards, and a checkpoint saved on N ranks loads on any other number (DCP reshards).
+
+Loading never runs code from the files: DCP's reader unpickles `.metadata` with plain pickle and
+its planner loads non-tensor items with torch.load(weights_only=False), so both are replaced
+here: the metadata by an unpickler that admits only DCP's own metadata classes, the items by
+torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from trainer.checkpoint.store import SHARDED_DIR, describe_error
+from trainer.errors import UsageError, first_line
+
+_METADATA_GLOBALS = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "MetadataIndex",
+            "StorageMeta",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    *(
+        ("pathlib", name)
+        for name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")
+    ),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) in _METADATA_GLOBALS or dtype:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} has no place in checkpoint metadata")
+
+
+class SafeReader(dcp.FileSystemReader):
+    """DCP's file reader, with `.metadata` read by an allow-list unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, loading non-tensor items with weights_only=True."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def read_metadata(path: str):
+    """The metadata of the DCP folder `path`, read safely; a UsageError if it cannot be."""
+    try:
+        return SafeReader(path).read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise UsageError(
+            f"{os.path.dirname(path)}: unreadable shard metadata ({first_line(e)}): "
+            "resume from another checkpoint (ckpt.resume=PATH)"
+        ) from None
+
+
+def _load(state: dict, path: str, **kwargs) -> None:
+    read_metadata(path)  # before DCP's collective: every rank fails the same way, in one line
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(state, storage_reader=SafeReader(path), planner=SafeLoadPlanner(), **kwargs)
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        raise UsageError(
+            f"{os.path.dirname(path)}: cannot load its shards ({describe_error(e)})"
+        ) from None
+
+
+def save(model: torch.nn.Module, optimizer, folder: str) -> None:
+    """Every rank writes its shards of model and optimizer into folder/dcp (a collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    writer = dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True)
+    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
+
+
+def missing_shards(folder: str) -> list[str]:
+    """Shard files the metadata names that are not in folder/dcp: another node wrote them to
+    storage this one cannot see."""
+    path = os.path.join(folder, SHARDED_DIR)
+    metadata = read_metadata(path)
+    names = {info.relative_path for info in metadata.storage_data.values()}
+    return sorted(n for n in names if not os.path.isfile(os.path.join(path, n)))
+
+
+def load(model: torch.nn.Module, optimizer, folder: str) -> None:
+    """Load a sharded checkpoint into the wrapped model and its optimizer, whatever strategy and
+    world size saved it (a collective)."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    _load(state, os.path.join(folder, SHARDED_DIR))
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+
+
+def read_model(folder: str) -> dict[str, torch.Tensor]:
+    """The whole model of a sharded checkpoint as plain CPU tensors, in this one process.
+
+    Shapes and dtypes come from the metadata, so no model (and no process group) is needed:
+    what `trainer export` and `trainer eval` use.
+    """
+    path = os.path.join(folder, SHARDED_DIR)
+    metadata = read_metadata(path)
+    state = {
+        key: torch.empty(m.size, dtype=m.properties.dtype)
+        for key, m in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+    _load(state, path, no_dist=True)
+    return {key.removeprefix("model."): value for key, value in state.items()}
+
+
+def local_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of the model's weights (its shards; whole tensors when not sharded)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return {
+        k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()
+        for k, v in get_model_state_dict(model).items()
+    }
+
+
+def read_local_model(model: torch.nn.Module, folder: str) -> dict[str, torch.Tensor]:
+    """This rank's part of the weights stored in a sharded checkpoint, laid out as `model`'s (a
+    collective): what the dry run compares against the live weights."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    template = {"model": {k: torch.empty_like(v) for k, v in get_model_state_dict(model).items()}}
+    _load(template, os.path.join(folder, SHARDED_DIR))
+    return {
+        k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()
+        for k, v in template["model"].items()
+    }
