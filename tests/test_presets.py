@@ -37,6 +37,8 @@ def test_every_preset_is_listed():
         "digits-lenet",
         "digits-mlp",
         "fashion-lenet",
+        "gpt-124m",
+        "stdlib-gpt",
     ]
 
 
@@ -46,6 +48,7 @@ def test_every_preset_is_listed():
         ("digits-mlp", "accuracy", 0.975),  # the preset comments' numbers, seed 0
         ("digits-lenet", "accuracy", 0.965),
         ("diabetes-mlp", "mse", 2900.0),
+        pytest.param("stdlib-gpt", "bits_per_byte", 3.1, marks=pytest.mark.slow),  # 3.013
     ],
 )
 def test_embedded_presets_train_to_their_documented_numbers(
@@ -58,6 +61,8 @@ def test_embedded_presets_train_to_their_documented_numbers(
     summary = json.loads((tmp_path / "summary.json").read_text())
     value = summary["eval"][metric]
     assert value >= bound if metric == "accuracy" else value <= bound, summary["eval"]
+    if preset == "stdlib-gpt":
+        assert summary["data"]["corpus"] == "python-stdlib" and summary["steps"] == 300
     if preset == "diabetes-mlp":
         assert summary["eval"]["mae"] < 46 and "accuracy" not in summary["eval"]
 
@@ -118,3 +123,17 @@ def test_on_disk_presets_without_data_fail_in_one_line(tmp_path, preset, fragmen
     assert len(lines) == 1 and lines[0].startswith("trainer: error: data.name=")
     assert fragment in lines[0] and "mounted read-only at /workspace/data" in lines[0]
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists()
+
+
+def test_gpt_124m_is_gpt2_small_shaped_and_sharded():
+    from trainer import config
+    from trainer.gpt import GPT
+
+    cfg = config.load("gpt-124m", [])
+    g = cfg.model.gpt
+    assert (g.layers, g.width, g.heads, cfg.data.text.seq_len) == (12, 768, 12, 1024)
+    assert cfg.dist.strategy == "fsdp" and cfg.train.precision == "bf16"
+    with torch.device("meta"):
+        model = GPT(256, cfg.data.text.seq_len, g.layers, g.width, g.heads)
+    # GPT-2 small has 124M parameters, most of them its 50k-token embedding; bytes need 256 rows.
+    assert sum(p.numel() for p in model.parameters()) == 86_039_040
