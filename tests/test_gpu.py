@@ -68,3 +68,41 @@ def test_deterministic_gpu_runs_are_bitwise_equal(tmp_path):
 def test_dry_run_reports_peak_gpu_memory(tmp_path):
     p = trainer("train", "--dry-run", *LENET, f"run_dir={tmp_path}")
     assert "dry run ok" in p.stdout and "peak GPU memory" in p.stdout
+
+
+GPT_GPU = [
+    "--config",
+    "stdlib-gpt",
+    "train.max_steps=60",
+    "log.progress=plain",
+    "dist.device=cuda",
+    "data.text.max_test_bytes=65536",
+]
+
+
+def test_fsdp_bf16_gpt_with_activation_checkpointing_on_the_gpu(tmp_path):
+    ref, run = tmp_path / "fp32", tmp_path / "fsdp"
+    trainer("train", *GPT_GPU, f"run_dir={ref}")
+    trainer(
+        "train", *GPT_GPU, "dist.strategy=fsdp", "train.precision=bf16",
+        "train.activation_checkpointing=true", f"run_dir={run}", nproc=1, timeout=600,
+    )  # fmt: skip
+    a = json.loads((ref / "summary.json").read_text())
+    b = json.loads((run / "summary.json").read_text())
+    assert b["memory"][0]["peak_gpu_bytes"] > 0
+    assert abs(b["eval"]["bits_per_byte"] - a["eval"]["bits_per_byte"]) < 0.1, (
+        a["eval"],
+        b["eval"],
+    )
+    assert all(t.dtype == torch.float32 for t in weights(run).values())  # fp32 master weights
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more GPUs")
+def test_dp_splits_each_batch_over_the_gpus_with_plain_checkpoint_names(tmp_path):
+    p = trainer("train", *GPT_GPU, "dist.strategy=dp", f"run_dir={tmp_path}")
+    assert f"nn.DataParallel over {torch.cuda.device_count()} GPU(s)" in p.stdout
+    assert not any(k.startswith("module.") for k in weights(tmp_path))
+    step = sorted((tmp_path / "checkpoints").iterdir())[-1]
+    from safetensors.torch import load_file
+
+    assert not any(k.startswith("module.") for k in load_file(str(step / "model.safetensors")))
