@@ -335,3 +335,22 @@ def test_non_tensor_items_in_shards_load_without_running_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError):
         planner.load_bytes(None, buf)
     assert not marker.exists()
+
+
+def test_a_failed_shard_write_is_an_ordinary_exception_the_checkpointer_recovers_from(tmp_path):
+    """DCP raises CheckpointException, a BaseException: `except Exception` would let it crash."""
+    import pytest as _pytest
+
+    from trainer.checkpoint import sharded
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    (tmp_path / "dcp").write_text("a file where the shard folder goes")
+    with _pytest.raises(sharded.ShardWriteError) as e:
+        sharded.save(model, opt, str(tmp_path))
+    assert isinstance(e.value, Exception) and "\n" not in str(e.value)
+    (tmp_path / "dcp").unlink()
+    sharded.save(model, opt, str(tmp_path))  # and a healthy folder round-trips
+    assert sharded.read_model(str(tmp_path)).keys() == {"weight", "bias"}

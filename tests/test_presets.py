@@ -135,5 +135,5 @@ def test_gpt_124m_is_gpt2_small_shaped_and_sharded():
     assert cfg.dist.strategy == "fsdp" and cfg.train.precision == "bf16"
     with torch.device("meta"):
         model = GPT(256, cfg.data.text.seq_len, g.layers, g.width, g.heads)
-    # GPT-2 small has 124M parameters, most of them its 50k-token embedding; bytes need 256 rows.
+    # GPT-2 small's 124M include 39M of embedding for 50k tokens; bytes need 256 rows.
     assert sum(p.numel() for p in model.parameters()) == 86_039_040

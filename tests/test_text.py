@@ -96,6 +96,8 @@ def test_the_default_corpus_is_the_standard_library_without_tests():
         (["data.text.seq_len=0"], "data.text.seq_len"),
         (["model.name=gpt", "data.name=digits"], "use data.name=text"),
         (["model.gpt.width=30", "model.gpt.heads=4"], "multiple of the heads"),
+        (["model.name=mlp"], "use model.name=gpt"),
+        (["model.name=gpt", "data.name=diabetes"], "use data.name=text"),
     ],
 )
 def test_bad_text_settings_say_what_to_fix(tmp_path, overrides, fragment):
@@ -106,5 +108,5 @@ def test_bad_text_settings_say_what_to_fix(tmp_path, overrides, fragment):
         cfg, spec = _load("data.text.max_train_bytes=20000", *overrides)
         from trainer import models
 
-        models.build(cfg.model, spec.in_shape, spec.num_classes)
+        models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task)
     assert fragment in str(e.value) and "\n" not in str(e.value)

@@ -247,7 +247,8 @@ class TrainConfig:
     """channels_last memory format for 4-D inputs and conv weights (faster convs on GPU)."""
     activation_checkpointing: bool = False
     """Recompute each transformer block's (or residual stage's) activations in the backward
-    pass instead of keeping them: less memory, about a third more compute. Same numbers."""
+    pass instead of keeping them: less memory, about a third more compute. Same numbers (a
+    BatchNorm inside a block updates its running statistics twice per step)."""
 
     def __post_init__(self) -> None:
         _positive("train.epochs", self.epochs)

@@ -65,6 +65,6 @@ def evaluate_saved(cfg: Config, src: str) -> dict:
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
     with ranks.process_group(world, cfg.dist.timeout_s):
         spec = data.build(cfg.data, cfg.seed)
-        model = models.build(cfg.model, spec.in_shape, spec.num_classes)
+        model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task)
         load_weights_into(model, src)
         return evaluate(model.to(world.device), spec, world, cfg.data.eval_batch_size)

@@ -17,6 +17,7 @@ from trainer.config import ModelConfig
 from trainer.errors import UsageError
 
 _ACTIVATIONS = {"relu": nn.ReLU, "sigmoid": nn.Sigmoid}
+_NOT_LM = ("mlp", "lenet", "resnet18", "vgg11")  # built-ins that read features or images
 
 
 def _image(in_shape: tuple[int, ...], model: str) -> tuple[int, int, int]:
@@ -160,8 +161,21 @@ def vgg11(in_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) -> 
     return net
 
 
-def build(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """Instantiate model.name with the arguments its factory asks for."""
+def build(
+    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, task: str | None = None
+) -> nn.Module:
+    """Instantiate model.name with the arguments its factory asks for (checked against the
+    dataset's task, when given)."""
+    if task == "lm" and cfg.name in _NOT_LM:
+        raise UsageError(
+            f"model.name={cfg.name} cannot read data.name=text's byte tokens: use model.name=gpt "
+            "(or a plug-in factory that takes token ids)"
+        )
+    if cfg.name == "gpt" and task not in (None, "lm"):
+        raise UsageError(
+            f"model.name=gpt is a language model, but this dataset's task is {task}: use "
+            "data.name=text, or another model"
+        )
     factory = registry.factory("model.name", cfg.name)
     channels = cfg.in_channels or in_shape[0]
     offered = {
@@ -171,8 +185,9 @@ def build(cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int) -> nn.M
         "hidden": tuple(cfg.hidden),
         "dropout": cfg.dropout,
         "activation": cfg.activation,
-        **dataclasses.asdict(cfg.gpt),  # layers, width, heads
     }
+    if cfg.name == "gpt":  # not to plug-ins that happen to name a parameter `layers`
+        offered.update(dataclasses.asdict(cfg.gpt))
     params = inspect.signature(factory).parameters
     kwargs = {k: v for k, v in offered.items() if k in params}
     kwargs.update(cfg.kwargs)

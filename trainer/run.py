@@ -96,7 +96,7 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
     """Data, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed, world.device)
-    model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(world.device)
+    model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(world.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.train.activation_checkpointing:

@@ -25,7 +25,9 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) loss over this rank's samples (tokens, for lm); 0 for an empty slice."""
+    """Summed (not averaged) loss over this rank's samples (tokens, for lm); 0 for an empty slice.
+    In fp32 whatever the compute dtype (FSDP's bf16 parameters give bf16 outputs)."""
+    out = out.float()
     if task == "classification":
         return F.cross_entropy(out, y, reduction="sum")
     if task == "lm":  # out (B, T, vocab), y (B, T): every position predicts the next token

@@ -17,12 +17,13 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpoint.store import SHARDED_DIR, describe_error
 from trainer.errors import UsageError, first_line
+from trainer.strategy import unwrap
 
 _METADATA_GLOBALS = {
     *(
@@ -86,10 +87,10 @@ def read_metadata(path: str):
     """The metadata of the DCP folder `path`, read safely; a UsageError if it cannot be."""
     try:
         return SafeReader(path).read_metadata()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+    except Exception as e:  # anything a damaged or foreign file can make the unpickler raise
         raise UsageError(
-            f"{os.path.dirname(path)}: unreadable shard metadata ({first_line(e)}): "
-            "resume from another checkpoint (ckpt.resume=PATH)"
+            f"{os.path.dirname(path)}: unreadable shard metadata ({first_line(e)}): the "
+            "checkpoint is damaged or was not written by trainer; use another checkpoint"
         ) from None
 
 
@@ -105,11 +106,23 @@ def _load(state: dict, path: str, **kwargs) -> None:
         ) from None
 
 
+class ShardWriteError(Exception):
+    """A rank could not write its shards (DCP's own CheckpointException is a BaseException,
+    which the checkpointer's recovery from a failed save would not catch)."""
+
+
 def save(model: torch.nn.Module, optimizer, folder: str) -> None:
-    """Every rank writes its shards of model and optimizer into folder/dcp (a collective)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    """Every rank writes its shards of model and optimizer into folder/dcp (a collective).
+    Replicated tensors (BatchNorm statistics) are written by the lowest rank holding them."""
+    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
     writer = dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True)
-    dcp.save({"model": model_state, "optim": optim_state}, storage_writer=writer)
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    try:
+        dcp.save(
+            {"model": model_state, "optim": optim_state}, storage_writer=writer, planner=planner
+        )
+    except CheckpointException as e:
+        raise ShardWriteError(describe_error(e)) from None
 
 
 def missing_shards(folder: str) -> list[str]:
@@ -124,11 +137,11 @@ def missing_shards(folder: str) -> list[str]:
 def load(model: torch.nn.Module, optimizer, folder: str) -> None:
     """Load a sharded checkpoint into the wrapped model and its optimizer, whatever strategy and
     world size saved it (a collective)."""
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
     state = {"model": model_state, "optim": optim_state}
     _load(state, os.path.join(folder, SHARDED_DIR))
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+        unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
 
 
@@ -155,7 +168,7 @@ def local_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     return {
         k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()
-        for k, v in get_model_state_dict(model).items()
+        for k, v in get_model_state_dict(unwrap(model)).items()
     }
 
 
@@ -164,7 +177,9 @@ def read_local_model(model: torch.nn.Module, folder: str) -> dict[str, torch.Ten
     collective): what the dry run compares against the live weights."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    template = {"model": {k: torch.empty_like(v) for k, v in get_model_state_dict(model).items()}}
+    template = {
+        "model": {k: torch.empty_like(v) for k, v in get_model_state_dict(unwrap(model)).items()}
+    }
     _load(template, os.path.join(folder, SHARDED_DIR))
     return {
         k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()

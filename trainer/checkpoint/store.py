@@ -82,6 +82,8 @@ def commit(tmp: str, path: str) -> None:
     for rel in files_under(tmp):
         with open(os.path.join(tmp, rel), "rb") as f:
             os.fsync(f.fileno())
+    for folder, _, _ in os.walk(tmp):  # the entries of dcp/ too, not just its files' contents
+        _fsync_dir(folder)
     old = None
     if os.path.exists(path):
         old = os.path.join(parent, f".{os.path.basename(path)}.old-{os.getpid()}")
@@ -314,6 +316,6 @@ def describe_error(e: BaseException) -> str:
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and failures:
         rank, cause = sorted(failures.items())[0]
-        inner = getattr(cause, "exc", cause)  # DCP wraps each rank's exception
+        inner = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack summary)
         return f"rank {rank}: {first_line(inner) if isinstance(inner, BaseException) else inner}"
     return first_line(e)

@@ -2,8 +2,8 @@
 running Python's own standard-library sources, real text that ships with every Python install.
 
 A sample is a window of seq_len + 1 consecutive bytes: the model reads the first seq_len and
-predicts each next byte. Windows do not overlap, so an epoch reads every byte once. The split is
-by file (a hash of each file's path with data.split_seed decides), so no test file is ever seen
+predicts each next byte. Window i starts at byte i x seq_len (its last byte, a target only, is
+the next one's first input), so an epoch reads every byte once. The split is by file (a hash of each file's path with data.split_seed decides), so no test file is ever seen
 in training; a single file is split by position instead (its last data.test_fraction is test).
 """
 
