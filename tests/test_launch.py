@@ -73,7 +73,9 @@ def test_no_env_is_one_standalone_node_with_one_process_per_gpu():
         "trainer",
         "train",
     ]
-    assert p.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} and p.unset == ()
+    # 2 CPUs shared by 4 ranks: trainer.threads
+    assert p.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    assert p.unset == ()
     assert probed == []  # one node: nothing to reach
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from trainer.cli import COMMANDS
 from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
 from trainer.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
+from trainer.threads import available_cpus, threads_per_rank
 
 DISTRIBUTED_COMMANDS = ("train",)
 """trainer subcommands that run under torchrun; the others (config, ...) run once, directly."""
@@ -177,6 +178,8 @@ def make_plan(
     node = read_node(env, gpus=gpus, cpus=cpus)
     unset = tuple(v for v in CONSUMED_PET if v in env)
     extra = dict(TORCH_ENV)
+    if (threads := threads_per_rank(env, cpus, node.nproc)) is not None:
+        extra["OMP_NUM_THREADS"] = str(threads)  # torchrun sets it only for nproc > 1, to 1
     argv = [python, "-m", "torch.distributed.run"]
     if not node.multi_node:
         argv += ["--standalone", "--nnodes=1", f"--nproc-per-node={node.nproc}"]
@@ -411,9 +414,7 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         env,
         command,
         gpus=gpus,
-        cpus=len(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else os.cpu_count() or 1,
+        cpus=available_cpus(),  # the container's CPU quota too, not only its affinity
         python=sys.executable,
         probe=probe_route,
     )
