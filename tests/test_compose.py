@@ -19,6 +19,7 @@ import pytest
 
 from tests import dockerfile, netns
 from tests.helpers import ROOT, env
+from trainer.launch import split_command
 
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 COMPOSE_FILES = [ROOT / "compose.yaml", *sorted((ROOT / "docker").glob("*.y*ml"))]
@@ -105,12 +106,60 @@ def test_training_services_share_memory_limits_and_sandbox(service, profile):
     assert mounts["/workspace/data"]["read_only"] is True
     assert not mounts["/workspace/runs"].get("read_only")
     assert s.get("entrypoint") is None and s.get("command") is None  # the image's trainer-launch
-    assert s["environment"]["TRAIN_ARGS"] == ""
+    # the profile's own folder in the runs volume, then the shell's TRAIN_ARGS (empty here)
+    assert _container_env(s)["TRAIN_ARGS"] == (
+        f"run_dir=runs/{profile}/${{name}} " if profile else ""
+    )
+
+
+def run_dirs() -> dict[str, str]:
+    """Each training service's run_dir, as its trainer resolves it (default: runs/${name})."""
+    from trainer.config import load
+
+    services = compose_config("cpu", "two-node")["services"]
+    out = {}
+    for name, s in services.items():
+        if name == "tensorboard":
+            continue
+        args = split_command([], _container_env(s)).trainer_args[1:]
+        out[name] = load(None, list(args)).run_dir
+    return out
+
+
+def test_each_profile_trains_in_a_folder_of_its_own():
+    """One `runs` volume for all: `--profile two-node up` after `--profile cpu up` must train, not
+    resume the cpu run and find it complete (the same run_dir, the same config)."""
+    dirs = run_dirs()
+    assert dirs == {
+        "trainer": "runs/digits-mlp",
+        "cpu": "runs/cpu/digits-mlp",
+        "node0": "runs/two-node/digits-mlp",
+        "node1": "runs/two-node/digits-mlp",  # one job: rank 0 writes, both resume from it
+    }
+    s = compose_config("cpu", TRAIN_ARGS="--config digits-lenet run_dir=runs/mine")["services"]
+    args = split_command(["optim.lr=0.1"], _container_env(s["cpu"])).trainer_args
+    assert args == ("train", "run_dir=runs/cpu/${name}", "--config", "digits-lenet",
+                    "run_dir=runs/mine", "optim.lr=0.1")  # fmt: skip
+
+
+def test_two_node_services_each_get_a_share_of_the_host_cpus():
+    """Two one-process "nodes" on one host: a quota each, which trainer-launch turns into
+    OMP_NUM_THREADS (else 2 threads per container fight over 2 cores: ~20x slower)."""
+    services = compose_config("two-node")["services"]
+    assert float(services["node0"]["cpus"]) == float(services["node1"]["cpus"]) == 1.0
+    assert float(compose_config("two-node", NODE_CPUS="4")["services"]["node1"]["cpus"]) == 4.0
+    assert "cpus" not in compose_config("cpu")["services"]["cpu"]  # one container: all CPUs
+
+
+def _container_env(service: dict) -> dict[str, str]:
+    """A service's environment as the container gets it: `$$` in compose.yaml is a literal `$`."""
+    return {k: str(v).replace("$$", "$") for k, v in (service.get("environment") or {}).items()}
 
 
 def test_shm_size_and_train_args_come_from_the_shell():
     s = compose_config("cpu", SHM_SIZE="4gb", TRAIN_ARGS="optim.lr=0.5")["services"]["cpu"]
-    assert int(s["shm_size"]) == 4 * GIB and s["environment"]["TRAIN_ARGS"] == "optim.lr=0.5"
+    assert int(s["shm_size"]) == 4 * GIB
+    assert _container_env(s)["TRAIN_ARGS"] == "run_dir=runs/cpu/${name} optim.lr=0.5"
 
 
 def test_cpu_and_two_node_profiles():
@@ -157,7 +206,14 @@ def test_hadolint_is_clean():
 
 def test_dockerfile_contract():
     text = DOCKERFILE.read_text()
-    assert text.startswith("# syntax=docker/dockerfile:1\n")
+    # No `# syntax=` directive: BuildKit would pull that frontend from Docker Hub before step 1;
+    # the engine's built-in frontend handles RUN --mount (air-gapped builds, make test-image).
+    assert not re.match(r"\s*#\s*syntax\s*=", text, re.I)
+    # Before the venv exists only python3 is certain: a plain Debian base has no `python`.
+    runs = " ".join(a for word, a in dockerfile.instructions(text) if word == "RUN")
+    before_venv, venv, _ = runs.partition("-m venv /opt/venv")
+    assert venv and before_venv.endswith("python3 ")
+    assert not re.search(r"\bpython\b(?![\d.])", before_venv), before_venv
     base = re.search(r"^ARG BASE_IMAGE=(\S+)$", text, re.M).group(1)
     assert re.fullmatch(r"[\w./:-]+@sha256:[0-9a-f]{64}", base), base
     assert text.index("COPY pyproject.toml requirements.lock") < text.index("COPY trainer/")
@@ -175,7 +231,7 @@ def test_dockerfile_contract():
         }
         assert ("NVIDIA_REQUIRE_CUDA" in image.env) == (variant == "cuda")
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv", "runs", "data"} <= set(ignored)
+    assert {".git", ".venv", "runs", "data", "build"} <= set(ignored)  # build/image-test: 20 GB
 
 
 # --- the entrypoint, run as the image would run it ---------------------------------------------
@@ -191,7 +247,7 @@ def _image_env(service: dict, workspace: Path, variant: str) -> tuple[list[str],
         image.workdir: str(workspace),
     }
     e = env()
-    for key, value in {**image.env, **(service.get("environment") or {})}.items():
+    for key, value in {**image.env, **_container_env(service)}.items():
         for image_path, local in mapping.items():
             value = value.replace(image_path, local)
         e[key] = value
@@ -211,7 +267,7 @@ def test_cpu_profile_trains_exactly_as_the_image_would(tmp_path):
     p = subprocess.run(argv, env=e, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     wall = time.monotonic() - t
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    summary = json.loads((tmp_path / "runs" / "digits-mlp" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "runs" / "cpu" / "digits-mlp" / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 20 and summary["backend"] == "gloo"
     print(f"cpu profile: trainer-launch wall {wall:.1f} s")
 
@@ -239,7 +295,9 @@ def _run_two_nodes(tmp_path, net: netns.Network | None) -> list[str]:
             f.close()
     out = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
     assert codes == [0, 0], "\n".join(o[-3000:] for o in out)
-    summary = json.loads((tmp_path / "runs" / "digits-mlp" / "summary.json").read_text())
+    summary = json.loads(
+        (tmp_path / "runs" / "two-node" / "digits-mlp" / "summary.json").read_text()
+    )
     assert summary["world_size"] == 2 and summary["steps"] == 20
     return out
 
