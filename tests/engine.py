@@ -1,0 +1,287 @@
+"""A real Docker engine for the image tests, and what a build needs without any registry.
+
+`Engine.start()`: the engine at $TRAINER_TEST_DOCKER_HOST if that is set, else a private dockerd
+this process starts (installing Debian's docker.io with apt if needed: root only) and stops by its
+PID. The private one keeps everything under build/image-test/ (its data-root: images, volumes,
+build cache) and a short-lived /tmp folder (socket, exec-root); it pins its bridge and address
+pool to BRIDGE/POOL and leaves the host's firewall and IP forwarding alone (--iptables=false
+--ip-forward=false): containers reach each other and published ports on 127.0.0.1, nothing else.
+
+`debian_base()`: a python3 base image from `debootstrap --variant=minbase` and `docker import`.
+`Wheelhouse`: the lock's wheels (`pip download` with this machine's pip settings), served on
+127.0.0.1 to a build on the host network, with a pip.conf to hand the build as a secret.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import http.server
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from tests.helpers import ROOT
+
+WORK = ROOT / "build" / "image-test"
+"""The private engine's data-root, the base image's tarball and the wheelhouse (git-ignored)."""
+POOL = "10.213.0.0/16"
+BRIDGE = "10.213.0.1/24"
+"""docker0 and every network the engine makes come from this one private range."""
+DEBIAN_MIRROR = os.environ.get("TRAINER_TEST_DEBIAN_MIRROR", "http://deb.debian.org/debian")
+
+
+class Unavailable(Exception):
+    """No engine can be had here: the tests skip with this one line."""
+
+
+def _run(cmd, *, timeout=600, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(c) for c in cmd], capture_output=True, text=True, timeout=timeout, **kw
+    )
+
+
+def _tail(text: str, n: int = 3) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-n:])
+
+
+def _apt_install(*packages: str) -> None:
+    if shutil.which("apt-get") is None:
+        raise Unavailable(f"needs {', '.join(packages)} and there is no apt-get to install them")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
+        p = _run(cmd, env=env, timeout=900)
+        if p.returncode != 0:
+            raise Unavailable(f"`{' '.join(cmd)}` failed: {_tail(p.stderr or p.stdout, 1)}")
+
+
+class Engine:
+    """One Docker engine and the client that matches it."""
+
+    def __init__(self, host: str, docker: str, proc: subprocess.Popen | None = None, **owned):
+        self.host = host
+        self.docker_bin = docker
+        self.proc = proc
+        """The dockerd this process started (None: someone else's engine)."""
+        self.owned = owned
+        self.env = {**os.environ, "DOCKER_HOST": host, "DOCKER_BUILDKIT": "1"}
+
+    @classmethod
+    def start(cls) -> Engine:
+        if external := os.environ.get("TRAINER_TEST_DOCKER_HOST"):
+            engine = cls(external, _client())
+            if reason := engine.unreachable():
+                raise Unavailable(f"TRAINER_TEST_DOCKER_HOST={external}: {reason}")
+            return engine
+        if sys.platform != "linux" or os.geteuid() != 0:
+            raise Unavailable("starting a Docker engine needs root on Linux")
+        if shutil.which("dockerd") is None:
+            _apt_install("docker.io")
+        dockerd = shutil.which("dockerd")
+        if dockerd is None:
+            raise Unavailable("no dockerd after installing docker.io")
+        docker = _client()
+        bridge_existed = Path("/sys/class/net/docker0").exists()
+        run = Path(tempfile.mkdtemp(prefix="trn-dockerd-"))  # short: unix socket paths
+        data = WORK / "docker"
+        data.mkdir(parents=True, exist_ok=True)
+        log = open(run / "dockerd.log", "w")  # noqa: SIM115
+        cmd = [
+            dockerd,
+            f"--host=unix://{run}/docker.sock",
+            f"--data-root={data}",
+            f"--exec-root={run}/exec",
+            f"--pidfile={run}/dockerd.pid",
+            "--storage-driver=overlay2",
+            "--exec-opt=native.cgroupdriver=cgroupfs",
+            f"--bip={BRIDGE}",
+            f"--default-address-pool=base={POOL},size=24",
+            "--iptables=false",
+            "--ip-forward=false",
+        ]
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent
+        )
+        log.close()
+        engine = cls(
+            f"unix://{run}/docker.sock",
+            docker,
+            proc,
+            run=run,
+            data=data,
+            bridge_existed=bridge_existed,
+        )
+        deadline = time.monotonic() + 60
+        while (reason := engine.unreachable()) and time.monotonic() < deadline:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.5)
+        if reason:
+            last = _tail((run / "dockerd.log").read_text(errors="replace"), 1)
+            engine.stop(keep=True)
+            raise Unavailable(f"dockerd did not start ({reason}): {last}")
+        return engine
+
+    def unreachable(self) -> str | None:
+        try:
+            p = self.docker("version", "--format", "{{.Server.Version}}", check=False, timeout=20)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            return str(e)
+        return None if p.returncode == 0 else _tail(p.stderr, 1) or "no answer"
+
+    def version(self) -> str:
+        return self.docker("version", "--format", "{{.Server.Version}}").stdout.strip()
+
+    def docker(self, *args, check=True, timeout=600, **kw) -> subprocess.CompletedProcess:
+        p = _run([self.docker_bin, *args], env=self.env, timeout=timeout, **kw)
+        if check and p.returncode != 0:
+            raise AssertionError(f"docker {' '.join(map(str, args))}: {p.stdout[-2000:]}{p.stderr}")
+        return p
+
+    def stop(self, keep: bool = False) -> None:
+        """Stop the dockerd we started (by its PID) and remove what it left, unless `keep`."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()  # dockerd stops its containers and its containerd
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        if not self.owned["bridge_existed"] and Path("/sys/class/net/docker0").exists():
+            _run(["ip", "link", "delete", "docker0"])
+        shutil.rmtree(self.owned["run"], ignore_errors=True)
+        if not keep:
+            remove_tree(self.owned["data"])
+
+
+def _client() -> str:
+    """$TRAINER_TEST_DOCKER, else the client installed beside dockerd, else `docker` on PATH.
+
+    Beside dockerd first: another `docker` earlier on PATH may lack what this engine's builds
+    need (a newer CLI without its buildx plugin refuses DOCKER_BUILDKIT=1 builds).
+    """
+    if chosen := os.environ.get("TRAINER_TEST_DOCKER"):
+        return chosen
+    dockerd = shutil.which("dockerd")
+    beside = Path(dockerd).with_name("docker") if dockerd else None
+    return str(beside) if beside and beside.is_file() else shutil.which("docker") or "docker"
+
+
+def _die_with_parent() -> None:
+    # If the test process dies without cleaning up, its dockerd gets SIGTERM and stops too.
+    import ctypes
+    import signal
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def remove_tree(path: Path) -> None:
+    """rm -r, after unmounting anything an engine left mounted below `path`."""
+    if not path.exists():
+        return
+    mounts = [line.split()[1] for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for mount in sorted((m for m in mounts if m.startswith(f"{path}/")), reverse=True):
+        _run(["umount", "-l", mount])
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def debian_base(engine: Engine, tag: str) -> str:
+    """A bookworm image with python3, python3-venv and ca-certificates, from no registry.
+
+    Deliberately no python-is-python3: the Dockerfile must not need `python` before its venv.
+    The root file system is cached as a tarball in WORK (debootstrap takes a minute or two).
+    """
+    tarball = WORK / "base-bookworm.tar"
+    if not tarball.exists():
+        if shutil.which("debootstrap") is None:
+            _apt_install("debootstrap")
+        rootfs = WORK / "rootfs"
+        remove_tree(rootfs)
+        include = "--include=python3,python3-venv,ca-certificates"
+        cmd = ["debootstrap", "--variant=minbase", include, "bookworm", rootfs, DEBIAN_MIRROR]
+        p = _run(cmd, timeout=1200)
+        assert p.returncode == 0, f"{' '.join(map(str, cmd))}: {p.stdout[-3000:]}{p.stderr}"
+        for junk in ("var/lib/apt/lists", "var/cache/apt"):
+            shutil.rmtree(rootfs / junk, ignore_errors=True)
+        (rootfs / "var/lib/apt/lists/partial").mkdir(parents=True)
+        p = _run(["tar", "-C", rootfs, "-cf", f"{tarball}.tmp", "."])
+        assert p.returncode == 0, p.stderr
+        os.replace(f"{tarball}.tmp", tarball)
+        remove_tree(rootfs)
+    with open(tarball, "rb") as f:
+        engine.docker(
+            "import",
+            "--change",
+            "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "--change",
+            'CMD ["/bin/bash"]',
+            "-",
+            tag,
+            stdin=f,
+        )
+    return tag
+
+
+def image_requirements() -> list[str]:
+    """What docker/Dockerfile pip-installs (dependencies + tensorboard), plus the build backend."""
+    import tomllib  # Python 3.11+, like the image; imported here so 3.10 can still collect
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    deps = (
+        project["project"]["dependencies"]
+        + project["project"]["optional-dependencies"]["tensorboard"]
+    )
+    return [*deps, *project["build-system"]["requires"]]
+
+
+class Wheelhouse:
+    """The wheels the image needs, from this machine's package index, on http://127.0.0.1:PORT/."""
+
+    def __init__(self, python_version: str):
+        self.folder = WORK / "wheels"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        reqs = WORK / "image-requirements.txt"
+        reqs.write_text("\n".join(image_requirements()) + "\n")
+        cmd = [
+            sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir",
+            "--only-binary=:all:", f"--python-version={python_version}",
+            "-d", self.folder, "-c", ROOT / "requirements.lock", "-r", reqs,
+        ]  # fmt: skip
+        p = _run(cmd, timeout=1800)
+        assert p.returncode == 0, f"pip download: {p.stderr[-3000:]}"
+        handler = functools.partial(_QuietHandler, directory=str(self.folder))
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+        self.pip_conf = WORK / "pip.conf"
+        self.pip_conf.write_text(f"[global]\nno-index = true\nfind-links = {self.url}\n")
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.folder.iterdir())
+
+    def close(self, keep: bool = False) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        with contextlib.suppress(OSError):
+            self.pip_conf.unlink()
+        if not keep:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
+def disk_used(path: Path) -> int:
+    """Bytes under `path` (du -sb), 0 if absent."""
+    p = _run(["du", "-sb", path], timeout=300)
+    return int(p.stdout.split()[0]) if p.returncode == 0 and p.stdout else 0
