@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from tests.helpers import BIN, env
+from trainer.errors import UsageError
 from trainer.launch import Command, make_plan
 from trainer.threads import available_cpus, cgroup_cpu_quota, threads_per_rank
 
@@ -32,6 +33,12 @@ def test_threads_are_the_cpus_shared_by_the_local_ranks_at_least_one(cpus, ranks
 def test_a_users_omp_num_threads_is_left_alone():
     assert threads_per_rank({"OMP_NUM_THREADS": "3"}, 16, 2) is None
     assert threads_per_rank({"OMP_NUM_THREADS": " "}, 16, 2) == 8  # empty counts as unset
+
+
+@pytest.mark.parametrize("raw", ["two", "0", "-1", "1.5"])
+def test_a_bad_omp_num_threads_is_a_usage_error_naming_it(raw):
+    with pytest.raises(UsageError, match=r"^OMP_NUM_THREADS="):
+        threads_per_rank({"OMP_NUM_THREADS": raw}, 16, 2)
 
 
 def test_cgroup_v2_namespaced_container_reads_cpu_max_at_the_root(tmp_path):
@@ -128,3 +135,9 @@ def test_dry_run_shows_the_threads_from_this_machines_cpus():
         [str(BIN / "trainer-launch"), "--dry-run"], env=e, capture_output=True, text=True
     )
     assert "OMP_NUM_THREADS" not in p.stdout  # inherited as is, not overridden
+    e["OMP_NUM_THREADS"] = "many"
+    p = subprocess.run(
+        [str(BIN / "trainer-launch"), "--dry-run"], env=e, capture_output=True, text=True
+    )
+    assert p.returncode == 2 and p.stderr.startswith("trainer-launch: error: OMP_NUM_THREADS=")
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr

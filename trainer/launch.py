@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from trainer.cli import COMMANDS
 from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
 from trainer.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
-from trainer.threads import available_cpus, threads_per_rank
+from trainer.threads import available_cpus, threads_per_rank, user_threads
 
 DISTRIBUTED_COMMANDS = ("train",)
 """trainer subcommands that run under torchrun; the others (config, ...) run once, directly."""
@@ -405,6 +405,7 @@ def _launch(args: list[str], dry_run: bool) -> int:
 
 def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
     env = os.environ
+    user_threads(env)  # a bad OMP_NUM_THREADS: one line here, before torch's OpenMP complains
     command = split_command(args, env)
     gpus, cfg = 0, None
     if command.distributed and not launched_by_torchrun(env):

@@ -6,7 +6,8 @@ one-process containers on a 2-core host ran 2 threads each, and spent their time
 other at every gloo collective (compose's two-node profile: 226 samples/s; 3,352 with one thread
 each). trainer-launch gives each rank floor(CPUs / local ranks) threads, at least 1, where CPUs is
 the smaller of the affinity mask and the cgroup quota (v2 cpu.max, v1 cpu.cfs_quota_us), and
-leaves an OMP_NUM_THREADS the user set alone.
+leaves an OMP_NUM_THREADS the user set alone (once it is checked to be a number >= 1: a bad one
+is a one-line usage error here, not a warning from every rank's OpenMP runtime).
 """
 
 from __future__ import annotations
@@ -16,12 +17,24 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from trainer.envvars import env_int
+
 
 def threads_per_rank(env: Mapping[str, str], cpus: int, local_ranks: int) -> int | None:
     """OMP_NUM_THREADS for each of `local_ranks` processes sharing `cpus`; None if already set."""
-    if env.get("OMP_NUM_THREADS", "").strip():
+    if user_threads(env) is not None:
         return None
     return max(1, cpus // max(1, local_ranks))
+
+
+def user_threads(env: Mapping[str, str]) -> int | None:
+    """The OMP_NUM_THREADS the user set (None: unset or empty); not a number >= 1: UsageError."""
+    raw = env.get("OMP_NUM_THREADS", "").strip()
+    if not raw:
+        return None
+    return env_int(
+        "OMP_NUM_THREADS", raw, lo=1, what="threads per process (unset: CPUs / local ranks)"
+    )
 
 
 def available_cpus(
