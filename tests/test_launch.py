@@ -68,15 +68,25 @@ def test_no_env_is_one_standalone_node_with_one_process_per_gpu():
         "--standalone",
         "--nnodes=1",
         "--nproc-per-node=4",
+        "--local-addr=127.0.0.1",  # MASTER_ADDR: the host's name need not resolve
         "--max-restarts=0",
         "-m",
         "trainer",
         "train",
     ]
-    # 2 CPUs shared by 4 ranks: trainer.threads
-    assert p.env == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    # 2 CPUs shared by 4 ranks: trainer.threads; gloo on loopback (no hostname lookup)
+    assert p.env == {
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": "lo",
+    }
     assert p.unset == ()
     assert probed == []  # one node: nothing to reach
+
+
+def test_one_node_keeps_a_users_gloo_interface():
+    p, _ = plan({"GLOO_SOCKET_IFNAME": "eth1"}, gpus=0)
+    assert "GLOO_SOCKET_IFNAME" not in p.env and "--local-addr=127.0.0.1" in p.argv
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,9 @@ from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
 from trainer.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
 from trainer.threads import available_cpus, threads_per_rank, user_threads
 
+LOOPBACK_ADDR = "--local-addr=127.0.0.1"
+"""One node: the address torchrun gives the ranks as MASTER_ADDR (else the host's FQDN)."""
+
 DISTRIBUTED_COMMANDS = ("train",)
 """trainer subcommands that run under torchrun; the others (config, ...) run once, directly."""
 
@@ -182,7 +185,12 @@ def make_plan(
         extra["OMP_NUM_THREADS"] = str(threads)  # torchrun sets it only for nproc > 1, to 1
     argv = [python, "-m", "torch.distributed.run"]
     if not node.multi_node:
-        argv += ["--standalone", "--nnodes=1", f"--nproc-per-node={node.nproc}"]
+        # All ranks on this host: they meet on loopback, not at this host's name, which need not
+        # resolve (`docker run --network=none`, a container without its name in /etc/hosts):
+        # torchrun would retry the lookup for ever and gloo would warn on every rank.
+        argv += ["--standalone", "--nnodes=1", f"--nproc-per-node={node.nproc}", LOOPBACK_ADDR]
+        if not env.get("GLOO_SOCKET_IFNAME"):
+            extra["GLOO_SOCKET_IFNAME"] = "lo"
         summary = f"1 node x {node.nproc} process(es), standalone rendezvous"
     else:
         assert node.host is not None
