@@ -18,6 +18,7 @@ import contextlib
 import functools
 import http.server
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -162,16 +163,34 @@ class Engine:
 
 
 def _client() -> str:
-    """$TRAINER_TEST_DOCKER, else the client installed beside dockerd, else `docker` on PATH.
+    """$TRAINER_TEST_DOCKER, else the `docker` of dockerd's own version, else `docker` on PATH.
 
-    Beside dockerd first: another `docker` earlier on PATH may lack what this engine's builds
-    need (a newer CLI without its buildx plugin refuses DOCKER_BUILDKIT=1 builds).
+    Of the same version: another `docker` earlier on PATH may lack what this engine's builds need
+    (a newer CLI without its buildx plugin refuses DOCKER_BUILDKIT=1 builds; Debian's docker.io
+    puts its client in /usr/bin and dockerd in /usr/sbin).
     """
     if chosen := os.environ.get("TRAINER_TEST_DOCKER"):
         return chosen
     dockerd = shutil.which("dockerd")
-    beside = Path(dockerd).with_name("docker") if dockerd else None
-    return str(beside) if beside and beside.is_file() else shutil.which("docker") or "docker"
+    path = os.environ.get("PATH", os.defpath).split(os.pathsep)
+    candidates = [str(Path(dockerd).with_name("docker"))] if dockerd else []
+    candidates += [str(Path(d) / "docker") for d in [*path, "/usr/bin", "/usr/local/bin"]]
+    candidates = [c for c in dict.fromkeys(candidates) if os.access(c, os.X_OK)]
+    want = _version(dockerd) if dockerd else None
+    for c in candidates:
+        if want and _version(c) == want:
+            return c
+    return candidates[0] if candidates else "docker"
+
+
+def _version(binary: str) -> str | None:
+    """'20.10.24+dfsg1' from `docker --version` / `dockerd --version`."""
+    try:
+        out = _run([binary, "--version"], timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    m = re.search(r"version (\S+?),", out)
+    return m.group(1) if m else None
 
 
 def _die_with_parent() -> None:
