@@ -29,6 +29,14 @@ COMPONENT = "trainer/components.py:train"  # as typed from the repo root (and in
 MATCHES_TORCHRUN = [*REFERENCE, "model.kwargs.delay=0"]  # conftest's reference_runs config
 
 
+def run_local_cwd(tmp_path: Path, *args: str, **kwargs):
+    """`torchx run -s local_cwd ARGS`, its logs under tmp_path."""
+    return torchx(
+        "run", "-s", "local_cwd", "-cfg", f"log_dir={tmp_path / 'logs'}", *args,
+        tmp_path=tmp_path, **kwargs,
+    )  # fmt: skip
+
+
 def torchx(*args: str, tmp_path: Path, check: bool = True, timeout: float = 240):
     """The `torchx` CLI from the repo root with only the repo's .torchxconfig (not ~/.torchxconfig)."""
     e = env(TORCHXCONFIG=str(ROOT / ".torchxconfig"))
@@ -102,18 +110,13 @@ def test_component_on_local_cwd_trains_the_default_preset_on_two_ranks(tmp_path)
     from trainer.config import DEFAULT_PRESET
 
     run = tmp_path / "run"
-    p = torchx(
-        "run",
-        "-s",
-        "local_cwd",
-        "-cfg",
-        f"log_dir={tmp_path / 'logs'}",
+    p = run_local_cwd(
+        tmp_path,
         COMPONENT,
         "--nproc_per_node",
         "2",
         "log.progress=plain",
         f"run_dir={run}",
-        tmp_path=tmp_path,
     )
     assert "Job finished: SUCCEEDED" in p.stderr
     s = summary(run)
@@ -130,12 +133,8 @@ def test_component_on_local_cwd_trains_the_default_preset_on_two_ranks(tmp_path)
 @pytest.mark.slow
 def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_runs):
     run = tmp_path / "run"
-    torchx(
-        "run",
-        "-s",
-        "local_cwd",
-        "-cfg",
-        f"log_dir={tmp_path / 'logs'}",
+    run_local_cwd(
+        tmp_path,
         "dist.ddp",
         "-j",
         "1x2",
@@ -144,7 +143,6 @@ def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_run
         "train",
         *MATCHES_TORCHRUN,
         f"run_dir={run}",
-        tmp_path=tmp_path,
     )
     s = summary(run)
     assert s["world_size"] == 2 and len(s["hostnames"]) == 2
@@ -155,12 +153,8 @@ def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_run
 def test_max_restarts_restarts_the_worker_group_in_place(tmp_path, reference_runs):
     # Also: the component on local_cwd computes exactly what plain torchrun does.
     run = tmp_path / "run"
-    p = torchx(
-        "run",
-        "-s",
-        "local_cwd",
-        "-cfg",
-        f"log_dir={tmp_path / 'logs'}",
+    p = run_local_cwd(
+        tmp_path,
         COMPONENT,
         "--nproc_per_node",
         "2",
@@ -169,7 +163,6 @@ def test_max_restarts_restarts_the_worker_group_in_place(tmp_path, reference_run
         *MATCHES_TORCHRUN,
         f"model.name={__name__}:fail_once_mlp",
         f"run_dir={run}",
-        tmp_path=tmp_path,
     )
     assert "injected failure: rank 1, first attempt" in p.stdout + p.stderr
     s = summary(run)
