@@ -23,6 +23,12 @@ REFERENCE = [
     "log.progress=plain",
 ]
 BIN = Path(sys.executable).parent
+# The 9-sample dataset below and its model; global batch 4 leaves a 1-sample last batch.
+TINY = [
+    "data.name=tests.helpers:tiny",
+    "model.name=tests.helpers:tiny_model",
+    "data.global_batch_size=4",
+]
 
 
 def tiny(cfg, seed):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests import helpers
 from tests.helpers import ROOT, tiny_model
 from trainer import config
 from trainer.checkpoint import store, weights
@@ -17,9 +18,7 @@ from trainer.errors import UsageError
 from trainer.train import train
 
 TINY = [
-    "data.name=tests.helpers:tiny",
-    "model.name=tests.helpers:tiny_model",
-    "data.global_batch_size=4",
+    *helpers.TINY,
     "train.epochs=4",
     "optim.name=sgd",
     "optim.lr=0.1",

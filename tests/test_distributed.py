@@ -9,12 +9,11 @@ import math
 import pytest
 import yaml
 
+from tests import helpers
 from tests.helpers import ROOT, read_jsonl, train_losses, trainer, weights
 
 TINY = [
-    "data.name=tests.helpers:tiny",
-    "model.name=tests.helpers:tiny_model",
-    "data.global_batch_size=4",
+    *helpers.TINY,
     "data.eval_batch_size=4",
     "train.epochs=4",
     "log.every_steps=1",

@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from tests import helpers
 from tests.helpers import ROOT, checkpoints, children, env, spawn, trainer, wait_for, weights
 from trainer import doctor
 
@@ -23,9 +24,7 @@ RESTART = [
     "log.progress=plain",
 ]
 TINY = [
-    "data.name=tests.helpers:tiny",
-    "model.name=tests.helpers:tiny_model",
-    "data.global_batch_size=4",
+    *helpers.TINY,
     "train.epochs=2",
     "log.progress=none",
 ]

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from tests import helpers
 from tests.helpers import read_jsonl, trainer, weights
 from trainer import config
 from trainer.optim import Schedule, build_optimizer, build_scheduler
@@ -170,9 +171,7 @@ def test_channels_last_conv_step_matches():
 
 
 TINY = [
-    "data.name=tests.helpers:tiny",
-    "model.name=tests.helpers:tiny_model",
-    "data.global_batch_size=4",
+    *helpers.TINY,
     "train.epochs=4",
     "optim.name=sgd",
     "optim.lr=0.1",
