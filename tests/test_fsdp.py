@@ -105,7 +105,7 @@ def _weights_close(a, b, rel: float = 1e-5) -> None:
     [
         pytest.param(GPT, id="gpt"),
         pytest.param(GPT + ACCUM_CLIP, id="gpt-accum-clip"),
-        pytest.param(RESNET, id="resnet18-accum-clip", marks=pytest.mark.slow),
+        pytest.param(RESNET, id="resnet18-accum-clip"),
     ],
 )
 def test_fsdp_matches_ddp_and_one_process_on_the_same_global_batch(runs, args):
@@ -156,23 +156,30 @@ def test_a_sharded_checkpoint_is_one_atomic_step_directory_with_a_manifest(runs)
     assert meta["format"] == "sharded" and meta["strategy"] == "fsdp" and meta["world_size"] == 2
 
 
-@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])
-def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, tmp_path, world):
-    ref = runs(2, "fsdp", *GPT)
+def _resume_continues_the_curve(ref, tmp_path, strategy: str, world: int) -> str:
+    """Resume `ref`'s step-6 checkpoint under `strategy` on `world` ranks: steps 7-12 follow
+    ref's curve and end at its weights. Returns the run's output."""
     run_dir = tmp_path / "run"
     p = trainer(
         "train",
         *GPT,
-        "dist.strategy=fsdp",
+        f"dist.strategy={strategy}",
         f"run_dir={run_dir}",
         f"ckpt.resume={ref / 'checkpoints' / 'step-000000006'}",
         nproc=None if world == 1 else world,
     )
-    assert f"world size 2 -> {world}" in p.stdout
+    assert "resumed from" in p.stdout
     got = train_losses(run_dir)
     assert sorted(got) == list(range(7, 13))
     _close(got, train_losses(ref))
     _weights_close(run_dir, ref)
+    return p.stdout
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, tmp_path, world):
+    out = _resume_continues_the_curve(runs(2, "fsdp", *GPT), tmp_path, "fsdp", world)
+    assert f"world size 2 -> {world}" in out
 
 
 @pytest.mark.parametrize(
@@ -181,21 +188,7 @@ def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, tmp_path, worl
     ids=["fsdp-to-ddp", "ddp-to-fsdp", "fsdp-to-one-process"],
 )
 def test_checkpoints_cross_between_strategies(runs, tmp_path, saved_by, resumed_by):
-    ref = runs(saved_by[1], saved_by[0], *GPT)
-    run_dir = tmp_path / "run"
-    p = trainer(
-        "train",
-        *GPT,
-        f"dist.strategy={resumed_by[0]}",
-        f"run_dir={run_dir}",
-        f"ckpt.resume={ref / 'checkpoints' / 'step-000000006'}",
-        nproc=None if resumed_by[1] == 1 else resumed_by[1],
-    )
-    assert "resumed from" in p.stdout
-    got = train_losses(run_dir)
-    assert sorted(got) == list(range(7, 13))
-    _close(got, train_losses(ref))
-    _weights_close(run_dir, ref)
+    _resume_continues_the_curve(runs(saved_by[1], saved_by[0], *GPT), tmp_path, *resumed_by)
 
 
 def test_a_corrupt_shard_falls_back_to_the_previous_checkpoint(runs, tmp_path):
@@ -247,7 +240,6 @@ def test_a_sharded_checkpoint_can_be_evaluated_and_seed_weights(runs, tmp_path):
     assert train_losses(seeded)[1] < train_losses(fresh)[1] - 0.3
 
 
-@pytest.mark.slow
 def test_sigkill_then_rerun_under_fsdp_is_bitwise(runs, tmp_path):
     slow = ["model.name=tests.helpers:slow_gpt", "model.dropout=0.1", "model.kwargs.delay=0"]
     ref = runs(2, "fsdp", *GPT, *slow)
