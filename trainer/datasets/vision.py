@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 from urllib.error import URLError
 
+import numpy as np
 import torch
 
 from trainer.config import DataConfig
@@ -106,16 +107,18 @@ def _make(factory, cfg: DataConfig, source: _Source):
             "match torchvision's published checksums (a partial download or another "
             "release?): replace them, or set data.verify_checksums=false to use this copy"
         ) from None
-    except (
-        AssertionError,
-        ValueError,
-        TypeError,
-        EOFError,
-        OSError,
-        KeyError,
-        pickle.PickleError,
-    ) as e:
+    except (AssertionError, ValueError, TypeError, EOFError, OSError, KeyError) as e:
         raise UsageError(_unreadable(cfg, source, e)) from None
+
+
+NUM_CLASSES = 10
+"""MNIST, Fashion-MNIST and CIFAR-10 all have 10 classes, labelled 0..9."""
+
+
+def _bad_file(cfg: DataConfig, source: _Source, path: str, problem: str) -> UsageError:
+    return UsageError(
+        f"data.name={cfg.name}: cannot read {path}: {problem}: replace the files with {source.how}"
+    )
 
 
 def _unreadable(cfg: DataConfig, source: _Source, e: BaseException) -> str:
@@ -180,25 +183,134 @@ def fashion_mnist(cfg: DataConfig, seed: int) -> DataSpec:
     return _mnist_like(cfg, "FashionMNIST", FASHION_MNIST)
 
 
-def _cifar_class(verify: bool):
+def _numpy_private(module: str, name: str):
+    """numpy's own pickling helper (numpy._core since numpy 2, numpy.core before)."""
+    import importlib
+
+    try:
+        return getattr(importlib.import_module(f"numpy._core.{module}"), name)
+    except ImportError:
+        return getattr(importlib.import_module(f"numpy.core.{module}"), name)
+
+
+def _np_reconstruct(subtype, shape, dtype):
+    """numpy's ndarray.__reduce__ target, for an empty ndarray only (its state brings the data)."""
+    _reconstruct = _numpy_private("multiarray", "_reconstruct")
+    if subtype is not np.ndarray or tuple(shape) != (0,):
+        raise pickle.UnpicklingError("an array other than numpy's own empty-then-filled form")
+    return _reconstruct(subtype, shape, dtype)
+
+
+def _np_frombuffer(buf, dtype, shape, order):
+    """numpy's protocol-5 array reduce: the bytes as an array (never an object array)."""
+    if np.dtype(dtype).hasobject:
+        raise pickle.UnpicklingError("an object array")
+    return _numpy_private("numeric", "_frombuffer")(buf, dtype, shape, order)
+
+
+def _latin1_encode(text, encoding="utf-8", errors="strict"):
+    """_codecs.encode as Python 3 pickles bytes at protocol 2: latin-1 only."""
+    if encoding != "latin1" or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"_codecs.encode with {encoding!r}")
+    return text.encode("latin1")
+
+
+_CIFAR_GLOBALS = {
+    **{
+        (m, "_reconstruct"): _np_reconstruct
+        for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+    },
+    **{(m, "_frombuffer"): _np_frombuffer for m in ("numpy.core.numeric", "numpy._core.numeric")},
+    ("numpy", "ndarray"): np.ndarray,
+    ("numpy", "dtype"): np.dtype,
+    ("_codecs", "encode"): _latin1_encode,
+}
+"""What a CIFAR batch pickle may name: numpy arrays of plain data and Python 3's protocol-2
+bytes. Dicts, lists, strings and numbers need no global. Anything else would run code."""
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        try:
+            return _CIFAR_GLOBALS[(module, name)]
+        except KeyError:
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which has no place in a CIFAR batch (a pickle that "
+                "would run code?)"
+            ) from None
+
+
+def _str_keys(entry: dict) -> dict:
+    """Python 2 pickles give str keys read as latin-1; bytes keys (b'data') are accepted too."""
+    return {k.decode("latin1") if isinstance(k, bytes) else k: v for k, v in entry.items()}
+
+
+def read_cifar_batch(path: str, cfg: DataConfig) -> tuple[np.ndarray, list[int]]:
+    """(N x 3072 uint8 pixels, N labels 0..9) of a CIFAR-10 batch file, running no code from it."""
+
+    def bad(problem: str) -> UsageError:
+        return _bad_file(cfg, CIFAR10, path, problem)
+
+    try:
+        with open(path, "rb") as f:
+            entry = _CifarUnpickler(f, encoding="latin1").load()
+    except MemoryError:
+        raise bad("it asks for more memory than there is") from None
+    except Exception as e:  # anything a damaged or crafted pickle can make the unpickler raise
+        raise bad(f"not a CIFAR batch pickle ({type(e).__name__}: {first_line(e)})") from None
+    if not isinstance(entry, dict):
+        raise bad(f"it holds a {type(entry).__name__}, not a CIFAR batch's dict")
+    entry = _str_keys(entry)
+    x = entry.get("data")
+    labels = entry.get("labels", entry.get("fine_labels"))
+    if not isinstance(x, np.ndarray) or x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072:
+        shape = f"{x.dtype} {x.shape}" if isinstance(x, np.ndarray) else type(x).__name__
+        raise bad(f"'data' is {shape}, not N x 3072 uint8 pixels")
+    if not isinstance(labels, list) or not all(type(v) is int for v in labels):
+        raise bad("'labels' is not a list of integers")
+    if len(labels) != len(x):
+        raise bad(f"{len(labels)} labels for {len(x)} images")
+    wrong = [v for v in labels if not 0 <= v < NUM_CLASSES]
+    if wrong:
+        raise bad(f"label {wrong[0]} is not a class 0..{NUM_CLASSES - 1}")
+    return x, labels
+
+
+def _cifar_class(verify: bool, cfg: DataConfig):
     from torchvision.datasets import CIFAR10 as TorchvisionCIFAR10
+    from torchvision.datasets.vision import VisionDataset
 
-    if verify:
-        return TorchvisionCIFAR10
+    class SafeCIFAR10(TorchvisionCIFAR10):
+        """torchvision's CIFAR-10 (its download and md5 checks), reading the batch pickles with
+        `read_cifar_batch`, which runs no code from them: torchvision's pickle.load would run
+        whatever a crafted file asks (the md5s are the only guard, and they can be off)."""
 
-    class UncheckedCIFAR10(TorchvisionCIFAR10):
-        """torchvision's reader with the md5 checks off: an md5 of None means 'the file exists'."""
+        if not verify:  # an md5 of None means 'the file exists'
+            train_list: ClassVar = [[name, None] for name, _ in TorchvisionCIFAR10.train_list]
+            test_list: ClassVar = [[name, None] for name, _ in TorchvisionCIFAR10.test_list]
+            meta: ClassVar = {**TorchvisionCIFAR10.meta, "md5": None}
 
-        train_list: ClassVar = [[name, None] for name, _ in TorchvisionCIFAR10.train_list]
-        test_list: ClassVar = [[name, None] for name, _ in TorchvisionCIFAR10.test_list]
-        meta: ClassVar = {**TorchvisionCIFAR10.meta, "md5": None}
+        def __init__(self, root, train: bool = True, download: bool = False) -> None:
+            VisionDataset.__init__(self, root)
+            self.train = train
+            if download:
+                self.download()
+            if not self._check_integrity():
+                raise RuntimeError("Dataset not found or corrupted.")
+            files = self.train_list if train else self.test_list
+            folder = os.path.join(self.root, self.base_folder)
+            batches = [read_cifar_batch(os.path.join(folder, name), cfg) for name, _ in files]
+            self.data = np.vstack([x for x, _ in batches]).reshape(-1, 3, 32, 32)
+            self.data = self.data.transpose((0, 2, 3, 1))  # HWC, as torchvision keeps it
+            self.targets = [v for _, labels in batches for v in labels]
+            self.classes = list(range(NUM_CLASSES))  # batches.meta (names only) is not read
 
-    return UncheckedCIFAR10
+    return SafeCIFAR10
 
 
 def cifar10(cfg: DataConfig, seed: int) -> DataSpec:
     """CIFAR-10: 50,000 + 10,000 colour 32x32 images in 10 classes, data.root/cifar-10-batches-py/."""
-    cls = _cifar_class(cfg.verify_checksums)
+    cls = _cifar_class(cfg.verify_checksums, cfg)
     train, test = _make(lambda root, tr, **kw: cls(root, train=tr, **kw), cfg, CIFAR10)
     splits = []
     for ds in (train, test):

@@ -1,0 +1,170 @@
+"""Bad data never ends in a traceback, and data files never run code.
+
+Each kind of bad input (a crafted or damaged CIFAR pickle, IDX files that disagree, an image
+bomb or a broken image, a download into a root that cannot be written, a model that does not
+fit the data, a synthetic set larger than memory) stops the run with one line naming the file
+or key and the fix, exit code 2. Each kind is run once through the real CLI."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from tests import fakes
+from tests.helpers import ROOT, env, trainer_argv
+from trainer import data
+from trainer.config import DataConfig
+from trainer.errors import UsageError
+
+
+def _build(**kw) -> data.DataSpec:
+    return data.build(DataConfig(**kw), seed=0)
+
+
+def _cli_fails(tmp_path, *args) -> str:
+    """Run `trainer train ARGS`; assert exit 2 with one line and no traceback; return the line."""
+    p = subprocess.run(
+        trainer_argv("train", f"run_dir={tmp_path / 'run'}", "train.epochs=1", *args),
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr and "Traceback" not in p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1, p.stderr
+    return lines[0]
+
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+# --- CIFAR-10 batches: read without running code -------------------------------------------
+
+
+def py2_pickle(obj) -> bytes:
+    """What Python 2's cPickle.dump(obj, f, 2) writes, as the real CIFAR batches were made: str
+    keys and an array's raw bytes are Python 2 str (SHORT_BINSTRING/BINSTRING), an array is
+    numpy.core.multiarray._reconstruct + BUILD, its dtype numpy.dtype('u1') + BUILD."""
+    out = bytearray(b"\x80\x02")
+
+    def string(b: bytes) -> None:
+        short = len(b) < 256
+        out.extend((b"U" + bytes([len(b)])) if short else (b"T" + struct.pack("<I", len(b))))
+        out.extend(b)
+
+    def save(o) -> None:
+        if isinstance(o, dict):
+            out.extend(b"}(")
+            for k, v in o.items():
+                save(k)
+                save(v)
+            out.extend(b"u")
+        elif isinstance(o, list):
+            out.extend(b"](")
+            for v in o:
+                save(v)
+            out.extend(b"e")
+        elif isinstance(o, int):
+            out.extend(b"K" + bytes([o]) if 0 <= o < 256 else b"J" + struct.pack("<i", o))
+        elif isinstance(o, str):
+            string(o.encode("latin1"))
+        elif isinstance(o, np.ndarray):
+            out.extend(b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85")
+            string(b"b")
+            out.extend(b"\x87R(K\x01(")  # _reconstruct(ndarray, (0,), 'b'); state: version 1
+            for d in o.shape:
+                save(d)
+            out.extend(b"tcnumpy\ndtype\n")
+            string(o.dtype.str[1:].encode())  # 'u1'
+            out.extend(b"K\x00K\x01\x87R(K\x03")
+            string(o.dtype.str[:1].encode())  # '|'
+            out.extend(b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00tb\x89")  # dtype; C order
+            string(np.ascontiguousarray(o).tobytes())
+            out.extend(b"tb")
+        else:
+            raise TypeError(type(o))
+
+    save(obj)
+    return bytes(out + b".")
+
+
+def _cifar_batch(n: int, seed: int) -> tuple[np.ndarray, list[int]]:
+    x, y = fakes.images(n, (3, 32, 32), 10, seed)
+    return x.reshape(n, 3072), [int(v) for v in y]
+
+
+class _Marker:
+    """Unpickling this runs a shell command that leaves a file behind."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_a_cifar_batch_that_would_run_code_is_refused_and_runs_nothing(tmp_path):
+    fakes.cifar_folder(tmp_path, per_batch=4, n_test=4)
+    marker = tmp_path / "pwned"
+    batch = tmp_path / "cifar-10-batches-py" / "data_batch_1"
+    batch.write_bytes(pickle.dumps({"data": _Marker(marker), "labels": [0]}, protocol=2))
+    line = _cli_fails(
+        tmp_path, "data.name=cifar10", f"data.root={tmp_path}", "data.verify_checksums=false"
+    )
+    assert not marker.exists()
+    assert f"cannot read {batch}: " in line and "posix.system" in line
+    assert "replace the files with the 7 files of cifar-10-python.tar.gz" in line
+
+
+def test_python2_cifar_batches_are_read_as_before(tmp_path):
+    folder = fakes.cifar_folder(tmp_path, per_batch=4, n_test=4) / "cifar-10-batches-py"
+    x1, y1 = _cifar_batch(4, seed=1)
+    meta = {"label_names": ["airplane"] * 10, "num_cases_per_batch": 4, "num_vis": 3072}
+    (folder / "batches.meta").write_bytes(py2_pickle(meta))
+    batch = {"batch_label": "training batch 1 of 5", "labels": y1, "data": x1}
+    (folder / "data_batch_1").write_bytes(py2_pickle({**batch, "filenames": ["a.png"] * 4}))
+    # Python 3, protocol 2, bytes keys: bytes are pickled as _codecs.encode(str, 'latin1').
+    x2, y2 = _cifar_batch(4, seed=2)
+    (folder / "data_batch_2").write_bytes(pickle.dumps({b"data": x2, b"labels": y2}, protocol=2))
+    spec = _build(name="cifar10", root=str(tmp_path), verify_checksums=False)
+    assert len(spec.train) == 20 and spec.train.x.dtype == torch.uint8
+    np.testing.assert_array_equal(spec.train.x[:4].numpy(), x1.reshape(4, 3, 32, 32))
+    np.testing.assert_array_equal(spec.train.x[4:8].numpy(), x2.reshape(4, 3, 32, 32))
+    assert spec.train.y[:8].tolist() == y1 + y2
+
+
+@pytest.mark.parametrize(
+    "entry, fragment",
+    [
+        ({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1, 2, 10]}, "label 10 is not"),
+        ({"data": np.zeros((4, 3072), np.uint8), "labels": [0, 1]}, "2 labels for 4 images"),
+        ({"data": np.zeros((4, 3072), np.float32), "labels": [0] * 4}, "not N x 3072 uint8"),
+        ({"data": np.zeros((4, 3072), object), "labels": [0] * 4}, "is object (4, 3072)"),
+        ([1, 2, 3], "holds a list"),
+    ],
+)
+def test_a_cifar_batch_with_the_wrong_contents_names_the_file(tmp_path, entry, fragment):
+    folder = fakes.cifar_folder(tmp_path, per_batch=4, n_test=4) / "cifar-10-batches-py"
+    (folder / "test_batch").write_bytes(pickle.dumps(entry))
+    with pytest.raises(UsageError) as e:
+        _build(name="cifar10", root=str(tmp_path), verify_checksums=False)
+    assert f"cannot read {folder / 'test_batch'}: " in _one_line(e) and fragment in str(e.value)
+
+
+def test_a_truncated_cifar_batch_names_the_file(tmp_path):
+    folder = fakes.cifar_folder(tmp_path, per_batch=4, n_test=4) / "cifar-10-batches-py"
+    path = folder / "data_batch_3"
+    path.write_bytes(path.read_bytes()[:500])
+    with pytest.raises(UsageError, match=f"cannot read {path}: not a CIFAR batch pickle"):
+        _build(name="cifar10", root=str(tmp_path), verify_checksums=False)
