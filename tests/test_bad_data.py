@@ -168,3 +168,49 @@ def test_a_truncated_cifar_batch_names_the_file(tmp_path):
     path.write_bytes(path.read_bytes()[:500])
     with pytest.raises(UsageError, match=f"cannot read {path}: not a CIFAR batch pickle"):
         _build(name="cifar10", root=str(tmp_path), verify_checksums=False)
+
+
+# --- MNIST-format IDX files ----------------------------------------------------------------
+
+
+def _raw(tmp_path):
+    return fakes.mnist_folder(tmp_path, "MNIST", n_train=8, n_test=4) / "MNIST" / "raw"
+
+
+def test_idx_labels_that_are_not_classes_stop_the_run_before_training(tmp_path):
+    labels = _raw(tmp_path) / "train-labels-idx1-ubyte"
+    fakes.write_idx(labels, np.array([0, 1, 2, 12, 4, 5, 6, 7], np.uint8))
+    line = _cli_fails(tmp_path, "data.name=mnist", f"data.root={tmp_path}", "model.name=mlp")
+    assert f"cannot read {labels}: label 12 (sample 3) is not a class 0..9" in line
+    assert "replace the files with the 4 IDX files" in line
+
+
+@pytest.mark.parametrize(
+    "name, content, fragment",
+    [
+        ("train-labels-idx1-ubyte", "6 labels", "6 labels for the 8 images of train-images"),
+        ("t10k-images-idx3-ubyte", "3 images", "4 labels for the 3 images of t10k-images"),
+        ("train-images-idx3-ubyte", b"garbage, not IDX", "not an IDX file of uint8 with 3"),
+        ("t10k-labels-idx1-ubyte", b"\x00\x00\x08\x01\x00", "the header is cut short"),
+        ("t10k-labels-idx1-ubyte", b"", "header empty"),
+        ("train-images-idx3-ubyte", "truncated", "so 6288 bytes in all, but the file has 3000"),
+        ("train-labels-idx1-ubyte", "a 2-d file", "not an IDX file of uint8 with 1 dimension"),
+    ],
+)
+def test_idx_files_that_disagree_or_are_not_idx_name_the_file(tmp_path, name, content, fragment):
+    path = _raw(tmp_path) / name
+    if content == "6 labels":
+        fakes.write_idx(path, np.zeros(6, np.uint8))
+    elif content == "3 images":
+        fakes.write_idx(path, np.zeros((3, 28, 28), np.uint8))
+    elif content == "truncated":
+        path.write_bytes(path.read_bytes()[:3000])
+    elif content == "a 2-d file":
+        fakes.write_idx(path, np.zeros((8, 1), np.uint8))
+    else:
+        path.write_bytes(content)
+    with pytest.raises(UsageError) as e:
+        _build(name="mnist", root=str(tmp_path))
+    line = _one_line(e)
+    assert line.startswith(f"data.name=mnist: cannot read {path.parent}/"), line
+    assert fragment in line and "replace the files with the 4 IDX files" in line

@@ -8,8 +8,10 @@ Nothing is downloaded unless data.download=true.
 from __future__ import annotations
 
 import gzip
+import math
 import os
 import pickle
+import struct
 from dataclasses import dataclass
 from typing import ClassVar
 from urllib.error import URLError
@@ -97,6 +99,8 @@ def _make(factory, cfg: DataConfig, source: _Source):
     missing = missing_files(cfg.root, source)
     if missing:
         raise UsageError(_missing_message(cfg, source, missing))
+    if source.files == _IDX_FILES:
+        _check_idx_files(cfg, source)
     try:
         return factory(cfg.root, True), factory(cfg.root, False)
     except RuntimeError as e:
@@ -119,6 +123,68 @@ def _bad_file(cfg: DataConfig, source: _Source, path: str, problem: str) -> Usag
     return UsageError(
         f"data.name={cfg.name}: cannot read {path}: {problem}: replace the files with {source.how}"
     )
+
+
+def _check_idx_files(cfg: DataConfig, source: _Source) -> None:
+    """Each IDX file's header against its size, label values, and image and label counts.
+
+    torchvision's reader asserts (a bare AssertionError, no file named), and labels >= 10 or
+    counts that differ would otherwise surface mid-training as an IndexError in the loss.
+    """
+    folder = os.path.join(cfg.root, source.folder)
+    for images_name, labels_name in zip(_IDX_FILES[::2], _IDX_FILES[1::2], strict=True):
+        n_images = _idx_dims(cfg, source, os.path.join(folder, images_name), ndim=3)[0]
+        labels_path = os.path.join(folder, labels_name)
+        (n_labels,) = _idx_dims(cfg, source, labels_path, ndim=1)
+        if n_labels != n_images:
+            raise _bad_file(
+                cfg,
+                source,
+                labels_path,
+                f"{n_labels} labels for the {n_images} images of {images_name}",
+            )
+        with open(labels_path, "rb") as f:
+            f.seek(8)
+            labels = np.frombuffer(f.read(), dtype=np.uint8)
+        if len(labels) and labels.max() >= NUM_CLASSES:
+            i = int(np.argmax(labels >= NUM_CLASSES))
+            raise _bad_file(
+                cfg,
+                source,
+                labels_path,
+                f"label {labels[i]} (sample {i}) is not a class 0..{NUM_CLASSES - 1}",
+            )
+
+
+def _idx_dims(cfg: DataConfig, source: _Source, path: str, ndim: int) -> tuple[int, ...]:
+    """The dimensions in an uint8 IDX file's header, checked against the file's size."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = f.read(4 + 4 * ndim)
+    except OSError as e:
+        raise _bad_file(cfg, source, path, e.strerror or type(e).__name__) from None
+    if len(header) < 4 or header[:3] != b"\0\0\x08" or header[3] != ndim:
+        raise _bad_file(
+            cfg,
+            source,
+            path,
+            f"not an IDX file of uint8 with {ndim} dimension(s) (header {header[:4].hex() or 'empty'}, "
+            f"expected 000008{ndim:02x})",
+        )
+    if len(header) < 4 + 4 * ndim:
+        raise _bad_file(cfg, source, path, "the header is cut short")
+    dims = struct.unpack(f">{ndim}I", header[4:])
+    expected = len(header) + math.prod(dims)
+    if size != expected:
+        raise _bad_file(
+            cfg,
+            source,
+            path,
+            f"its header says {' x '.join(map(str, dims))} bytes of data, so {expected} bytes in "
+            f"all, but the file has {size} (truncated or not this format)",
+        )
+    return dims
 
 
 def _unreadable(cfg: DataConfig, source: _Source, e: BaseException) -> str:
