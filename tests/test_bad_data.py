@@ -214,3 +214,52 @@ def test_idx_files_that_disagree_or_are_not_idx_name_the_file(tmp_path, name, co
     line = _one_line(e)
     assert line.startswith(f"data.name=mnist: cannot read {path.parent}/"), line
     assert fragment in line and "replace the files with the 4 IDX files" in line
+
+
+# --- image folders: bombs and broken files -------------------------------------------------
+
+
+def test_a_decompression_bomb_in_an_image_folder_is_refused_in_one_line(tmp_path):
+    from PIL import Image
+
+    fakes.image_folder(tmp_path, classes=("a", "b"), per_class=2)
+    bomb = tmp_path / "train" / "a" / "img000.png"
+    Image.new("1", (20000, 20000)).save(bomb)  # 400 Mpx in 48 KB: over PIL's 179 Mpx limit
+    line = _cli_fails(
+        tmp_path, "data.name=imagefolder", f"data.root={tmp_path}", "data.global_batch_size=4"
+    )
+    assert f"data.name=imagefolder: {bomb} is too large to decode safely" in line
+    assert "remove it or shrink it" in line
+
+
+@pytest.mark.parametrize("pixels", [1601, 2401])  # PIL warns above its limit, raises above 2x
+def test_an_image_over_pils_pixel_limit_is_an_error_even_where_pil_only_warns(
+    tmp_path, monkeypatch, pixels
+):
+    from PIL import Image
+
+    fakes.image_folder(tmp_path, classes=("a", "b"), per_class=2)
+    big = tmp_path / "train" / "a" / "img001.png"
+    Image.new("RGB", (pixels, 1)).save(big)
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    spec = _build(name="imagefolder", root=str(tmp_path))
+    with pytest.raises(UsageError) as e:
+        spec.train.take(np.arange(len(spec.train)))
+    assert f"{big} is too large to decode safely (Image size ({pixels} pixels)" in _one_line(e)
+
+
+@pytest.mark.parametrize(
+    "content", [b"\x89PNG\r\n\x1a\nnot really", b"", "truncated", b"GIF89a" + b"\0" * 7]
+)
+def test_a_broken_image_names_the_file(tmp_path, content):
+    fakes.image_folder(tmp_path, classes=("a", "b"), per_class=2, size=(64, 64))
+    path = tmp_path / "val" / "b" / "img001.png"
+    if content == "truncated":
+        content = path.read_bytes()[:200]
+    path.write_bytes(content)
+    spec = _build(name="imagefolder", root=str(tmp_path))
+    with pytest.raises(UsageError) as e:
+        spec.test.take(np.arange(len(spec.test)))
+    line = _one_line(e)
+    assert line.startswith(f"data.name=imagefolder: cannot decode {path} (")
+    assert line.endswith("): remove or replace the file")

@@ -10,6 +10,7 @@ on the device.
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -17,7 +18,7 @@ import torch
 from trainer.config import DataConfig
 from trainer.data import DataSpec
 from trainer.datasets.vision import MOUNT_HINT
-from trainer.errors import UsageError
+from trainer.errors import UsageError, first_line
 
 EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -47,19 +48,28 @@ class FolderDataset(torch.utils.data.Dataset):
 
     def decode(self, i: int) -> torch.Tensor:
         """One image as uint8 (3, size, size)."""
-        from PIL import Image, ImageOps, UnidentifiedImageError
+        from PIL import Image, ImageOps
 
         path = self.files[i]
         try:
-            with Image.open(path) as img:
-                img = ImageOps.fit(
-                    img.convert("RGB"), (self.size, self.size), Image.Resampling.BILINEAR
-                )
-                hwc = np.asarray(img, dtype=np.uint8)
-        except (UnidentifiedImageError, OSError) as e:
+            with warnings.catch_warnings():
+                # PIL only warns between MAX_IMAGE_PIXELS and twice that; both are refused here.
+                warnings.simplefilter("error", Image.DecompressionBombWarning)
+                with Image.open(path) as img:
+                    img = ImageOps.fit(
+                        img.convert("RGB"), (self.size, self.size), Image.Resampling.BILINEAR
+                    )
+                    hwc = np.asarray(img, dtype=np.uint8)
+        except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise UsageError(
-                f"data.name=imagefolder: cannot decode {path} ({type(e).__name__}): "
-                "remove or replace the file"
+                f"data.name=imagefolder: {path} is too large to decode safely ({first_line(e)}): "
+                "remove it or shrink it (a decompression bomb, or a photo far larger than "
+                "data.image_size needs)"
+            ) from None
+        except Exception as e:  # a damaged file makes PIL raise OSError, SyntaxError, ValueError...
+            raise UsageError(
+                f"data.name=imagefolder: cannot decode {path} ({type(e).__name__}: "
+                f"{first_line(e)}): remove or replace the file"
             ) from None
         return torch.from_numpy(hwc.copy()).permute(2, 0, 1)
 
