@@ -263,3 +263,38 @@ def test_a_broken_image_names_the_file(tmp_path, content):
     line = _one_line(e)
     assert line.startswith(f"data.name=imagefolder: cannot decode {path} (")
     assert line.endswith("): remove or replace the file")
+
+
+# --- downloads -----------------------------------------------------------------------------
+
+
+def test_download_into_a_root_that_cannot_be_written_is_a_usage_error_not_a_retry(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    root = tmp_path / "a-file" / "data"  # unwritable for everyone, root included
+    line = _cli_fails(tmp_path, "data.name=mnist", f"data.root={root}", "data.download=true")
+    assert f"data.download=true: cannot write into data.root={root} (" in line
+    assert "set data.root to a writable folder" in line
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into a read-only folder")
+def test_download_into_a_read_only_root_is_a_usage_error(tmp_path):
+    root = tmp_path / "ro"
+    root.mkdir()
+    root.chmod(0o555)
+    try:
+        with pytest.raises(UsageError, match=f"cannot write into data.root={root} .Permission"):
+            _build(name="cifar10", root=str(root), download=True)
+    finally:
+        root.chmod(0o755)
+
+
+def test_download_with_the_files_present_does_not_need_a_writable_root(tmp_path, monkeypatch):
+    from trainer.datasets import vision
+
+    fakes.mnist_folder(tmp_path, "MNIST", n_train=8, n_test=4)
+
+    def unwritable(cfg, source):
+        raise AssertionError("probed a root that needs no download")
+
+    monkeypatch.setattr(vision, "_check_writable", unwritable)
+    assert len(_build(name="mnist", root=str(tmp_path), download=True).train) == 8

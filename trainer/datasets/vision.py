@@ -201,6 +201,8 @@ def _download(factory, cfg: DataConfig, source: _Source) -> None:
     group = dist.is_available() and dist.is_initialized()
     try:
         if not group or dist.get_rank() == 0:
+            if missing_files(cfg.root, source):
+                _check_writable(cfg, source)
             try:
                 os.makedirs(cfg.root, exist_ok=True)
                 factory(cfg.root, True, download=True)
@@ -214,6 +216,24 @@ def _download(factory, cfg: DataConfig, source: _Source) -> None:
     finally:
         if group:
             dist.barrier()  # the others read only after rank 0 is done (or has failed)
+
+
+def _check_writable(cfg: DataConfig, source: _Source) -> None:
+    """A download needs to write into data.root: a read-only or unusable root is the user's to
+    fix (exit 2), not a transient failure to retry."""
+    import tempfile
+
+    folder = os.path.join(cfg.root, source.folder)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise UsageError(
+            f"data.download=true: cannot write into data.root={cfg.root} ({e.strerror or e}: "
+            f"{e.filename or folder}): set data.root to a writable folder, or put {source.how} "
+            f"in {folder}/ and set data.download=false. {MOUNT_HINT}"
+        ) from None
 
 
 def _norm(source: _Source, cfg: DataConfig) -> dict:
