@@ -18,8 +18,8 @@ import torch
 
 from tests import fakes
 from tests.helpers import ROOT, env, trainer_argv
-from trainer import data
-from trainer.config import DataConfig
+from trainer import data, models
+from trainer.config import DataConfig, ModelConfig
 from trainer.errors import UsageError
 
 
@@ -298,3 +298,35 @@ def test_download_with_the_files_present_does_not_need_a_writable_root(tmp_path,
 
     monkeypatch.setattr(vision, "_check_writable", unwritable)
     assert len(_build(name="mnist", root=str(tmp_path), download=True).train) == 8
+
+
+# --- a model that does not fit the data ----------------------------------------------------
+
+
+def test_model_in_channels_that_differ_from_the_data_name_the_key(tmp_path):
+    line = _cli_fails(tmp_path, "model.name=lenet", "model.in_channels=3")
+    assert line == (
+        "trainer: error: model.in_channels=3, but the dataset's samples have 1 channel(s) "
+        "(shape (1, 8, 8)): set model.in_channels=1 or leave it unset (null: taken from the data)"
+    )
+
+
+@pytest.mark.parametrize(
+    "cfg, shape, classes, task, fragment",
+    [
+        (dict(name="resnet18", in_channels=1), (3, 32, 32), 10, None, "model.in_channels=3"),
+        (dict(name="mlp", num_classes=5), (1, 8, 8), 10, "classification", "classes 0 to 9"),
+        (dict(name="mlp", num_classes=2), (10,), 1, "regression", "model.num_classes=1 or"),
+        (dict(name="gpt", num_classes=100), (16,), 256, "lm", "a vocabulary of 256"),
+    ],
+)
+def test_model_keys_that_do_not_fit_the_data_are_usage_errors(cfg, shape, classes, task, fragment):
+    with pytest.raises(UsageError) as e:
+        models.build(ModelConfig(**cfg), shape, classes, task)
+    assert fragment in _one_line(e)
+
+
+def test_model_keys_that_fit_the_data_still_build():
+    assert models.build(ModelConfig(name="lenet", in_channels=1), (1, 8, 8), 10, "classification")
+    wide = models.build(ModelConfig(name="mlp", num_classes=12), (1, 8, 8), 10, "classification")
+    assert wide[-1].out_features == 12  # more outputs than classes: unused logits, no error

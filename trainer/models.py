@@ -161,6 +161,33 @@ def vgg11(in_shape: tuple[int, ...], num_classes: int, dropout: float = 0.0) -> 
     return net
 
 
+def _check_fits_data(
+    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, task: str | None
+) -> None:
+    """model.in_channels / model.num_classes against the dataset's, before a shape error deep in
+    the first forward pass (or an out-of-range target in the loss) says it less clearly."""
+    if cfg.in_channels and task != "lm" and cfg.in_channels != in_shape[0]:
+        raise UsageError(
+            f"model.in_channels={cfg.in_channels}, but the dataset's samples have "
+            f"{in_shape[0]} channel(s) (shape {tuple(in_shape)}): set model.in_channels="
+            f"{in_shape[0]} or leave it unset (null: taken from the data)"
+        )
+    if not cfg.num_classes or task is None:
+        return
+    if task == "regression" and cfg.num_classes != num_classes:
+        raise UsageError(
+            f"model.num_classes={cfg.num_classes}, but the dataset's targets have {num_classes} "
+            f"value(s) per sample: set model.num_classes={num_classes} or leave it unset"
+        )
+    if task != "regression" and cfg.num_classes < num_classes:
+        what = "a vocabulary of" if task == "lm" else "classes 0 to"
+        top = num_classes if task == "lm" else num_classes - 1
+        raise UsageError(
+            f"model.num_classes={cfg.num_classes} outputs cannot score the dataset's {what} "
+            f"{top}: set model.num_classes={num_classes} (or more), or leave it unset"
+        )
+
+
 def build(
     cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, task: str | None = None
 ) -> nn.Module:
@@ -176,6 +203,7 @@ def build(
             f"model.name=gpt is a language model, but this dataset's task is {task}: use "
             "data.name=text, or another model"
         )
+    _check_fits_data(cfg, in_shape, num_classes, task)
     factory = registry.factory("model.name", cfg.name)
     channels = cfg.in_channels or in_shape[0]
     offered = {
