@@ -19,7 +19,8 @@ import torch
 from tests import fakes
 from tests.helpers import ROOT, env, trainer_argv
 from trainer import data, models
-from trainer.config import DataConfig, ModelConfig
+from trainer.config import DataConfig, ModelConfig, SyntheticConfig
+from trainer.datasets import synthetic
 from trainer.errors import UsageError
 
 
@@ -330,3 +331,27 @@ def test_model_keys_that_fit_the_data_still_build():
     assert models.build(ModelConfig(name="lenet", in_channels=1), (1, 8, 8), 10, "classification")
     wide = models.build(ModelConfig(name="mlp", num_classes=12), (1, 8, 8), 10, "classification")
     assert wide[-1].out_features == 12  # more outputs than classes: unused logits, no error
+
+
+# --- synthetic data larger than memory -----------------------------------------------------
+
+
+def test_a_synthetic_set_larger_than_memory_is_refused_before_allocating(tmp_path):
+    line = _cli_fails(
+        tmp_path,
+        "data.name=synthetic",
+        "data.synthetic.shape=[3,4096,4096]",
+        "data.synthetic.size=100000",
+    )
+    assert "data.synthetic: 100000 + 256 samples of shape [3, 4096, 4096] need about " in line
+    assert "lower data.synthetic.size, test_size or shape" in line
+
+
+def test_synthetic_peak_memory_estimate_matches_what_is_allocated(monkeypatch):
+    sc = SyntheticConfig(shape=[3, 8, 8], num_classes=4, size=100, test_size=10)
+    assert synthetic.peak_bytes(sc) == 192 * (300 + 4)
+    monkeypatch.setattr(synthetic, "available_memory", lambda: 192 * 303)
+    with pytest.raises(UsageError, match=r"about 0\.0 GiB of memory to generate, more than"):
+        _build(name="synthetic", synthetic=sc)
+    monkeypatch.setattr(synthetic, "available_memory", lambda: 192 * 304)
+    assert len(_build(name="synthetic", synthetic=sc).train) == 100
