@@ -75,6 +75,12 @@ GPU_ROWS = [
         "bare",
         ["train.precision=bf16", "train.channels_last=true", "train.compile=true"],
     ),
+    ("trainer fp32, repro.deterministic", "trainer", ["repro.deterministic=true"]),
+    (
+        "trainer fp32, repro.deterministic + world_invariant",
+        "trainer",
+        ["repro.deterministic=true", "repro.world_invariant=true"],
+    ),
 ]
 
 CPU_BASE = [
@@ -92,6 +98,8 @@ CPU_ROWS = [
     ("bare loop, 1 process", "bare", []),
     ("trainer, 1 process", "trainer", []),
     ("trainer, 2 processes (DDP, gloo), same global batch", "trainer2", []),
+    ("trainer, 1 process, repro.world_invariant", "trainer", ["repro.world_invariant=true"]),
+    ("trainer, 2 processes, repro.world_invariant", "trainer2", ["repro.world_invariant=true"]),
 ]
 
 
@@ -285,12 +293,20 @@ def run_suite(suite: str, out: Path) -> dict:
         ratios["bf16+cl+compile / fp32"] = (
             by_name["trainer bf16 + channels_last + compile"]["samples_per_s"] / baseline
         )
+        ratios["world_invariant / plain, deterministic fp32"] = (
+            by_name["trainer fp32, repro.deterministic + world_invariant"]["samples_per_s"]
+            / by_name["trainer fp32, repro.deterministic"]["samples_per_s"]
+        )
     else:
         ratios["trainer / bare loop"] = (
             by_name["trainer, 1 process"]["samples_per_s"]
             / by_name["bare loop, 1 process"]["samples_per_s"]
         )
         ratios["2 processes / 1 process"] = results[2]["samples_per_s"] / baseline
+        ratios["world_invariant / plain, 1 process"] = results[3]["samples_per_s"] / baseline
+        ratios["world_invariant / plain, 2 processes"] = (
+            results[4]["samples_per_s"] / results[2]["samples_per_s"]
+        )
     report = {
         "suite": suite,
         "machine": info,

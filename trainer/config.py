@@ -342,6 +342,14 @@ class ReproConfig:
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN deterministic
     and no benchmark, CUBLAS_WORKSPACE_CONFIG). Slower on GPU; CPU runs are bitwise anyway."""
+    world_invariant: bool = False
+    """The same bits on every world size dividing repro.shards: each global batch is cut into
+    that many fixed shards, each rank computes its shards' gradients one by one, and all shard
+    gradients are added in one fixed tree (docs/reproducibility.md: what it costs). Strategy
+    none or ddp; with dist.device=cuda also set repro.deterministic=true."""
+    shards: int = 8
+    """Shards per global batch under repro.world_invariant: a power of two that the world size
+    divides (1, 2, 4 or 8 ranks for 8)."""
 
 
 @dataclass(kw_only=True)
@@ -368,11 +376,26 @@ class Config:
 
         registry.check("data.name", self.data.name)
         registry.check("model.name", self.model.name)
+        k = self.repro.shards
+        if k < 1 or k & (k - 1):
+            raise ConfigError(
+                f"repro.shards={k} must be a power of two (1, 2, 4, 8, 16, ...): the shards' "
+                "gradients are added in a binary tree"
+            )
 
 
 def check_world_size(cfg: Config, world_size: int) -> None:
-    """The global batch must split evenly over the ranks (each takes an equal slice)."""
+    """The global batch must split evenly over the ranks (each takes an equal slice); under
+    repro.world_invariant the ranks must split the shards evenly too."""
     b, w = cfg.data.global_batch_size, world_size
+    k = cfg.repro.shards
+    if cfg.repro.world_invariant and k % w:
+        fits = ", ".join(str(2**i) for i in range(k.bit_length()) if 2**i <= k)
+        raise ConfigError(
+            f"repro.world_invariant=true cuts each global batch into repro.shards={k} shards, "
+            f"which {w} ranks cannot split evenly: run on {fits} ranks, or set repro.shards to a "
+            f"power of two that {w} divides"
+        )
     if b % w:
         lo, hi = (b // w) * w, (b // w + 1) * w
         suggestion = f"{lo} or {hi}" if lo else f"{hi}"

@@ -235,17 +235,19 @@ def train_batches(
 
 
 def eval_batches(
-    spec: DataSpec, batch: int, rank: int, world_size: int
+    spec: DataSpec, batch: int, rank: int, world_size: int, *, whole: bool = False
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield (x, y) for this rank over the test split; over all ranks, each sample exactly once."""
+    """Yield (x, y) for this rank over the test split; over all ranks, each sample exactly once
+    (whole=True: whole batches per rank, see sampler.eval_spans)."""
     opts = spec.loader
     to_float = _float_converter(spec.test, opts.device)
+    n = len(spec.test)
     if opts.device_resident:
-        for lo, hi in sampler.eval_spans(len(spec.test), batch, rank, world_size):
+        for lo, hi in sampler.eval_spans(n, batch, rank, world_size, whole):
             x, y = spec.test.span(lo, hi)
             yield to_float(x), y
         return
-    keys = [(0, None, idx) for idx in sampler.eval_batches(len(spec.test), batch, rank, world_size)]
+    keys = [(0, None, idx) for idx in sampler.eval_batches(n, batch, rank, world_size, whole)]
     for x, y in _fetched(spec, "test", rank, world_size, keys):
         x, y = _to_device(x, y, opts)
         yield to_float(x), y

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from trainer import data, models, ranks
+from trainer import data, models, ranks, sampler
 from trainer.config import Config
 from trainer.ranks import World
 from trainer.step import loss_sum
@@ -15,28 +15,35 @@ from trainer.strategy import unwrap
 
 
 @torch.inference_mode()
-def evaluate(model, spec: data.DataSpec, world: World, batch: int) -> dict:
+def evaluate(
+    model, spec: data.DataSpec, world: World, batch: int, *, whole_batches: bool = False
+) -> dict:
     """Metrics over the whole test split, each sample counted once across ranks:
 
     - classification: loss, accuracy;
     - regression: loss (MSE of the standardised target), mse and mae in the target's own units;
     - lm: loss per token, perplexity, bits_per_byte (tokens are bytes), next-byte accuracy.
+
+    whole_batches (repro.world_invariant): each rank evaluates whole batches, every batch's sums
+    go in its own row of a table that the ranks fill in (one rank's row plus zeros: an exact
+    all-reduce), and the rows are added in batch order: the same bits on any world size.
     """
     net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
     was_training = net.training
     net.eval()
-    # loss sum, correct (classification, lm) or absolute-error sum (regression), loss terms
-    totals = torch.zeros(3, dtype=torch.float64, device=world.device)
-    for x, y in data.eval_batches(spec, batch, world.rank, world.size):
-        x, y = x.to(world.device, non_blocking=True), y.to(world.device, non_blocking=True)
-        out = net(x)
-        totals[0] += loss_sum(spec.task, out, y).double()
-        if spec.task == "regression":
-            totals[1] += (out - y.reshape(out.shape).to(out.dtype)).abs().sum().double()
-        else:
-            totals[1] += (out.argmax(dim=-1) == y).sum()
-        totals[2] += y.numel() if spec.task == "lm" else len(y)
-    ranks.all_reduce_sum(totals)
+    batches = data.eval_batches(spec, batch, world.rank, world.size, whole=whole_batches)
+    if whole_batches:
+        n_batches = -(-len(spec.test) // batch)
+        first = sampler.chunk_bounds(n_batches, world.rank, world.size)[0]
+        table = torch.zeros(n_batches, 3, dtype=torch.float64, device=world.device)
+        for i, (x, y) in enumerate(batches):
+            table[first + i] = _batch_sums(net, spec, x, y, world.device)
+        totals = ranks.all_reduce_sum(table).sum(dim=0)
+    else:
+        totals = torch.zeros(3, dtype=torch.float64, device=world.device)
+        for x, y in batches:
+            totals += _batch_sums(net, spec, x, y, world.device)
+        ranks.all_reduce_sum(totals)
     net.train(was_training)
     loss_total, second, terms = totals.tolist()
     loss = loss_total / terms
@@ -56,6 +63,20 @@ def evaluate(model, spec: data.DataSpec, world: World, batch: int) -> dict:
         result["mse"] = loss * spec.target_scale**2
         result["mae"] = second / terms * spec.target_scale
     return result
+
+
+def _batch_sums(net, spec: data.DataSpec, x, y, device: str) -> torch.Tensor:
+    """(loss sum, correct or absolute-error sum, loss terms) of one batch, in float64."""
+    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+    out = net(x)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    sums[0] = loss_sum(spec.task, out, y).double()
+    if spec.task == "regression":
+        sums[1] = (out - y.reshape(out.shape).to(out.dtype)).abs().sum().double()
+    else:
+        sums[1] = (out.argmax(dim=-1) == y).sum()
+    sums[2] = y.numel() if spec.task == "lm" else len(y)
+    return sums
 
 
 def evaluate_saved(cfg: Config, src: str) -> dict:

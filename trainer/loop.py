@@ -80,7 +80,7 @@ def fit(run: Run) -> None:
                 x.to(run.world.device, non_blocking=True),
                 y.to(run.world.device, non_blocking=True),
             )
-            losses.add(run.step(x, y, count), count)
+            losses.add(run.step(x, y, count, state.step), count)
             state.step += 1
             state.step_in_epoch += 1
             state.samples_seen += count
@@ -126,7 +126,13 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> None:
 
 def _evaluate(run: Run, clock: TrainClock) -> None:
     with clock.paused():
-        result = evaluate(run.model, run.data, run.world, run.cfg.data.eval_batch_size)
+        result = evaluate(
+            run.model,
+            run.data,
+            run.world,
+            run.cfg.data.eval_batch_size,
+            whole_batches=run.cfg.repro.world_invariant,
+        )
         result["step"] = run.state.step
         run.results["eval"] = result
         metrics = {f"eval.{k}": v for k, v in result.items() if k != "step"}

@@ -14,11 +14,12 @@ import torch
 from trainer import data, models, optim, sampler
 from trainer.checkpoint.manager import Checkpointer, LoopState
 from trainer.config import Config, TrainConfig
+from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
 from trainer.ranks import World
 from trainer.signals import StopSignal
 from trainer.step import TrainStep, make_scaler
-from trainer.strategy import Strategy, checkpoint_activations, rank_memory
+from trainer.strategy import Strategy, WorldInvariant, checkpoint_activations, rank_memory
 
 
 @dataclass(kw_only=True, eq=False)
@@ -118,7 +119,12 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         device=world.device,
         strategy=strategy,
         tokens_per_sample=spec.tokens_per_sample,
+        seed=cfg.seed,
     )
+    if isinstance(strategy, WorldInvariant):
+        step.shards = ShardedGradients(
+            model, rank=world.rank, world_size=world.size, shards=strategy.shards
+        )
     log = RunLogger(main=world.is_main, progress=cfg.log.progress, total_steps=total)
     if note := strategy.note(world):
         log.info(note)

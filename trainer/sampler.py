@@ -82,14 +82,23 @@ class EpochPlan:
             yield step, order[lo:hi], count
 
 
-def eval_spans(n: int, batch: int, rank: int, world_size: int):
-    """Yield [lo, hi) of this rank's evaluation samples: over all ranks, each exactly once."""
+def eval_spans(n: int, batch: int, rank: int, world_size: int, whole: bool = False):
+    """Yield [lo, hi) of this rank's evaluation samples: over all ranks, each exactly once.
+
+    Each batch is split over the ranks, or (whole=True) each rank takes a contiguous block of
+    whole batches, so a batch has the same samples and shape on any world size.
+    """
+    if whole:
+        first, stop = chunk_bounds(-(-n // batch), rank, world_size)
+        for b in range(first, stop):
+            yield b * batch, min((b + 1) * batch, n)
+        return
     for start in range(0, n, batch):
         lo, hi = chunk_bounds(min(batch, n - start), rank, world_size)
         yield start + lo, start + hi
 
 
-def eval_batches(n: int, batch: int, rank: int, world_size: int):
+def eval_batches(n: int, batch: int, rank: int, world_size: int, whole: bool = False):
     """Yield this rank's indices for evaluation: over all ranks, each sample exactly once."""
-    for lo, hi in eval_spans(n, batch, rank, world_size):
+    for lo, hi in eval_spans(n, batch, rank, world_size, whole):
         yield np.arange(lo, hi)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import TrainConfig
+from trainer.invariant import ShardedGradients, shard_seed
 from trainer.strategy import Strategy
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -64,6 +65,10 @@ class TrainStep:
     """Loss terms per sample (the sequence length for lm): the loss is normalised per term."""
     skipped_steps: int = 0
     """fp16 steps skipped for an inf/nan gradient."""
+    shards: ShardedGradients | None = None
+    """repro.world_invariant: per-shard gradients summed in a fixed tree (trainer/invariant.py)."""
+    seed: int = 0
+    """Seeds each shard's dropout (with the step and shard index) under repro.world_invariant."""
 
     def _chunks(self, x, y):
         micro = self.cfg.micro_batch_size
@@ -71,29 +76,57 @@ class TrainStep:
             return [(x, y)]
         return list(zip(x.split(micro), y.split(micro), strict=True))
 
-    def __call__(self, x, y, global_count: int) -> torch.Tensor:
-        """Returns this rank's share of the step's global mean loss (detached).
+    def __call__(self, x, y, global_count: int, index: int = 0) -> torch.Tensor:
+        """Returns this rank's share of the step's global mean loss (detached): summed over
+        ranks, the global mean loss.
 
-        global_count: samples in the whole global batch, over all ranks.
+        global_count: samples in the whole global batch, over all ranks; index: the optimizer
+        step's number (seeds dropout under repro.world_invariant).
         """
         if self.cfg.channels_last and x.dim() == 4:
             x = x.contiguous(memory_format=torch.channels_last)
-        self.optimizer.zero_grad(set_to_none=True)
-        dtype = _DTYPES[self.cfg.precision]
-        device_type = torch.device(self.device).type
-        chunks = self._chunks(x, y)
         terms = global_count * self.tokens_per_sample
+        if self.shards is not None:
+            return self._world_invariant(x, y, global_count, terms, index)
+        self.optimizer.zero_grad(set_to_none=True)
+        chunks = self._chunks(x, y)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for i, (xc, yc) in enumerate(chunks):
             last = i == len(chunks) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                with torch.autocast(device_type, dtype=dtype, enabled=dtype is not None):
-                    local = loss_sum(self.task, self.model(xc), yc)
                 # Sum of losses x world / global terms: after the gradient average, sum / terms.
-                self.scaler.scale(local * (self.world_size / terms)).backward()
-            total += local.detach().float()
+                total += self._backward(xc, yc, self.world_size / terms)
         self._update()
         return total / terms
+
+    def _backward(self, x, y, factor: float) -> torch.Tensor:
+        """Forward, summed loss, backward of loss x factor (scaled for fp16); the summed loss."""
+        dtype = _DTYPES[self.cfg.precision]
+        with torch.autocast(torch.device(self.device).type, dtype=dtype, enabled=dtype is not None):
+            local = loss_sum(self.task, self.model(x), y)
+        self.scaler.scale(local * factor).backward()
+        return local.detach().float()
+
+    def _world_invariant(self, x, y, global_count: int, terms: int, index: int) -> torch.Tensor:
+        """Each of this rank's shards on its own, then the fixed tree over all shards; the same
+        bits for every world size dividing repro.shards (trainer/invariant.py)."""
+        shards = self.shards
+        shards.begin()
+        for k in shards.shards_here():
+            shards.start_shard()
+            lo, hi = shards.bounds(k, global_count)
+            local = torch.zeros((), dtype=torch.float32, device=x.device)
+            if hi > lo:  # an empty shard (a tail batch smaller than the shards) adds zeros
+                torch.manual_seed(shard_seed(self.seed, index, k))
+                for xc, yc in self._chunks(x[lo:hi], y[lo:hi]):
+                    local += self._backward(xc, yc, 1.0 / terms)
+            shards.end_shard(local)
+        losses = shards.combine()
+        self._update()
+        # Rank 0 carries the whole step's loss and the others zero, so the loop's sum over
+        # ranks adds only exact zeros to it.
+        mean = losses.sum() / terms
+        return mean if shards.rank == 0 else torch.zeros_like(mean)
 
     def _update(self) -> None:
         """Clip, step (skipped on an fp16 overflow), update the loss scale, advance the lr."""

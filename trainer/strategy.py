@@ -171,6 +171,45 @@ class DataParallel(Strategy):
         return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())))
 
 
+class WorldInvariant(Strategy):
+    """repro.world_invariant over strategy none or ddp: a plain replica per rank (no DDP hooks);
+    the train step combines the shard gradients itself (trainer/invariant.py). Every rank builds
+    the same initial weights from the seed, or loads the same checkpoint."""
+
+    def __init__(self, name: str, shards: int):
+        self.name, self.shards = name, shards
+
+    def note(self, world: World) -> str | None:
+        return (
+            f"repro.world_invariant: {self.shards} shards per global batch, "
+            f"{self.shards // world.size} per rank, gradients added in a fixed tree (the same "
+            f"bits on any world size that divides {self.shards})"
+        )
+
+
+def _check_world_invariant(cfg: Config, name: str, world: World) -> None:
+    if name in ("fsdp", "dp"):
+        why = {
+            "fsdp": "FSDP reduce-scatters gradients in an order that depends on the world size",
+            "dp": "nn.DataParallel sums gradients over however many GPUs it finds",
+        }[name]
+        raise ConfigError(
+            f"repro.world_invariant=true works with dist.strategy=ddp or none, not {name}: {why}; "
+            "set dist.strategy=ddp (or repro.world_invariant=false)"
+        )
+    if cfg.model.sync_bn:
+        raise ConfigError(
+            "repro.world_invariant=true normalises BatchNorm per shard, the same on any world "
+            "size; model.sync_bn=true would normalise over each rank's shards: set "
+            "model.sync_bn=false"
+        )
+    if world.on_cuda and not cfg.repro.deterministic:
+        raise ConfigError(
+            "repro.world_invariant=true on CUDA needs deterministic kernels (atomics make some "
+            "backward passes vary run to run): add repro.deterministic=true"
+        )
+
+
 def choose(cfg: Config, world: World) -> Strategy:
     """The strategy dist.strategy names, checked against this world (auto: ddp on several ranks).
 
@@ -189,6 +228,9 @@ def choose(cfg: Config, world: World) -> Strategy:
             f"dist.strategy=dp is single-process nn.DataParallel, but {world.size} processes were "
             "launched: use dist.strategy=ddp under torchrun (one process per GPU), or launch one"
         )
+    if cfg.repro.world_invariant:
+        _check_world_invariant(cfg, name, world)
+        return WorldInvariant(name, cfg.repro.shards)
     if name == "fsdp":
         if cfg.model.sync_bn:
             raise ConfigError(

@@ -1,0 +1,225 @@
+"""repro.world_invariant: the same bits on 1, 2, 4 and 8 ranks (trainer/invariant.py).
+
+The multi-process tests run the real torchrun at each world size (8 ranks on 2 cores is slow
+but fine for a few steps) and compare per-step losses, eval metrics and final weights with ==.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import read_jsonl, trainer, weights
+from trainer import config, invariant, sampler
+
+MLP = [
+    "model.hidden=[32]",
+    "model.dropout=0.1",  # dropout masks are drawn per shard, not per rank
+    "data.global_batch_size=64",
+    "train.epochs=1",
+    "train.max_steps=6",
+    "log.every_steps=1",
+    "log.progress=plain",
+    "log.tensorboard=false",
+]
+LENET = [*MLP, "model.name=lenet", "model.dropout=0.0", "optim.name=sgd", "optim.lr=0.05"]
+GPT = [
+    "model.name=gpt",
+    "data.name=text",
+    "model.gpt.layers=2",
+    "model.gpt.width=32",
+    "model.gpt.heads=2",
+    "model.dropout=0.1",
+    "data.text.seq_len=32",
+    "data.text.max_train_bytes=40000",
+    "data.text.max_test_bytes=4000",
+    "data.global_batch_size=16",
+    "optim.name=adamw",
+    "optim.lr=0.003",
+    "train.epochs=100",
+    "train.max_steps=6",
+    "log.every_steps=1",
+    "log.progress=plain",
+    "log.tensorboard=false",
+]
+# Micro-steps inside each shard, and a clip that binds: the norm is over the summed gradient.
+ON = ["repro.world_invariant=true", "train.micro_batch_size=3", "train.clip_grad_norm=0.5"]
+
+
+def bn_mlp(num_classes, in_shape):
+    """An MLP with BatchNorm: each shard normalises with its own statistics (ghost batch norm)."""
+    from torch import nn
+
+    width = in_shape[0] * in_shape[1] * in_shape[2]
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(width, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10)
+    )
+
+
+# --- the pieces --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_subtree_sums_combined_in_the_tree_are_the_full_tree_bit_for_bit(world):
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1000, generator=g) * 10 ** float(i % 5) for i in range(8)]
+    full = invariant.tree_sum(leaves)
+    per_rank = 8 // world
+    partials = [invariant.tree_sum(leaves[r * per_rank : (r + 1) * per_rank]) for r in range(world)]
+    assert torch.equal(invariant.tree_sum(partials), full)
+    # The order matters at all (else the test above would prove nothing): a running sum differs.
+    running = leaves[0].clone()
+    for t in leaves[1:]:
+        running = running + t
+    assert not torch.equal(running, full)
+
+
+def test_a_tree_needs_a_power_of_two_count():
+    with pytest.raises(ValueError):
+        invariant.tree_sum([torch.ones(1)] * 3)
+
+
+@pytest.mark.parametrize("count", [0, 1, 5, 7, 8, 9, 63, 64, 100])
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_a_ranks_slice_is_exactly_its_block_of_shards(count, world):
+    shards = 8
+    for rank in range(world):
+        lo, hi = sampler.chunk_bounds(count, rank, world)
+        block = invariant.rank_shards(rank, world, shards)
+        assert sampler.chunk_bounds(count, block[0], shards)[0] == lo
+        assert sampler.chunk_bounds(count, block[-1], shards)[1] == hi
+
+
+def test_whole_eval_batches_cover_the_test_split_once_with_the_same_batches():
+    for world in (1, 2, 4, 8):
+        spans = [s for r in range(world) for s in sampler.eval_spans(359, 64, r, world, True)]
+        assert spans == [(b, min(b + 64, 359)) for b in range(0, 359, 64)]
+
+
+# --- what it refuses ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["dist.strategy=fsdp"], "works with dist.strategy=ddp or none, not fsdp"),
+        (["dist.strategy=dp"], "not dp"),
+        (["model.sync_bn=true"], "set model.sync_bn=false"),
+    ],
+)
+def test_what_cannot_hold_is_refused_in_one_line(overrides, says, capsys):
+    from trainer import cli
+
+    code = cli.main(["train", "repro.world_invariant=true", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and says in err, err
+
+
+def test_cuda_needs_deterministic_kernels():
+    from trainer.ranks import World
+    from trainer.strategy import choose
+
+    cfg = config.load(None, ["repro.world_invariant=true"])
+    world = World(rank=0, local_rank=0, size=1, device="cuda:0", backend="nccl")
+    with pytest.raises(config.ConfigError, match="add repro.deterministic=true"):
+        choose(cfg, world)
+    cfg.repro.deterministic = True
+    assert choose(cfg, world).name == "none"
+
+
+@pytest.mark.parametrize("shards", [0, 3, 6, -8])
+def test_shards_must_be_a_power_of_two(shards):
+    with pytest.raises(config.ConfigError, match="must be a power of two"):
+        config.load(None, [f"repro.shards={shards}"])
+
+
+def test_config_check_names_the_world_sizes_that_fit(capsys):
+    from trainer import cli
+
+    args = ["config", "check", "--world-size=3", "repro.world_invariant=true"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "run on 1, 2, 4, 8 ranks" in err
+    assert cli.main(["config", "check", "--world-size=4", "repro.world_invariant=true"]) == 0
+
+
+# --- the same bits on 1, 2, 4 and 8 ranks ------------------------------------------------------
+
+
+def _run(tmp_path, world, *args) -> dict:
+    run_dir = tmp_path / f"w{world}"
+    trainer("train", *args, f"run_dir={run_dir}", nproc=None if world == 1 else world)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    return {
+        "train": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
+        "eval": [
+            {k: v for k, v in r.items() if k.startswith("eval.")}
+            for r in records
+            if r["kind"] == "eval"
+        ],
+        "weights": weights(run_dir),
+    }
+
+
+def _assert_identical(got: dict, ref: dict) -> None:
+    assert got["train"] == ref["train"]
+    assert got["eval"] == ref["eval"] and ref["eval"]
+    assert got["weights"].keys() == ref["weights"].keys()
+    for name, t in ref["weights"].items():
+        assert torch.equal(got["weights"][name], t), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [pytest.param(MLP, id="mlp"), pytest.param(LENET, id="lenet"), pytest.param(GPT, id="gpt")],
+)
+def test_worlds_1_2_4_8_train_the_same_bits(tmp_path, args):
+    ref = _run(tmp_path, 1, *args, *ON)
+    assert len(ref["train"]) == 6
+    for world in (2, 4, 8):
+        _assert_identical(_run(tmp_path, world, *args, *ON), ref)
+
+
+@pytest.mark.slow
+def test_without_the_mode_world_sizes_differ_in_the_last_bits(tmp_path):
+    """What the mode buys: plain DDP at world 2 is close to world 1, but not the same bits."""
+    plain = [*MLP, "train.micro_batch_size=3", "train.clip_grad_norm=0.5", "model.dropout=0.0"]
+    one, two = _run(tmp_path / "a", 1, *plain), _run(tmp_path / "b", 2, *plain)
+    w1, w2 = one["weights"], two["weights"]
+    assert any(not torch.equal(w1[k], w2[k]) for k in w1)
+    assert all(torch.allclose(w1[k], w2[k], rtol=0, atol=1e-5) for k in w1)
+
+
+@pytest.mark.slow
+def test_batchnorm_statistics_and_bf16_autocast_hold_too(tmp_path):
+    args = [
+        *MLP,
+        *ON,
+        "model.name=tests.test_world_invariant:bn_mlp",
+        "train.precision=bf16",
+    ]
+    ref = _run(tmp_path, 1, *args)
+    assert any(k.endswith("running_var") for k in ref["weights"])
+    for world in (2, 4):
+        _assert_identical(_run(tmp_path, world, *args), ref)
+
+
+@pytest.mark.slow
+def test_saved_on_2_ranks_resumed_on_4_ends_at_the_one_process_weights(tmp_path):
+    args = [*GPT, *ON, "ckpt.every_steps=3", "ckpt.keep_last=10"]
+    ref = _run(tmp_path, 1, *args)
+    _run(tmp_path / "saved", 2, *args)
+    saved = tmp_path / "saved" / "w2" / "checkpoints" / "step-000000003"
+    meta = json.loads((saved / "meta.json").read_text())
+    assert meta["world_size"] == 2
+    resumed = _run(tmp_path / "resumed", 4, *args, f"ckpt.resume={saved}")
+    assert [s for s, _ in resumed["train"]] == [4, 5, 6]
+    assert resumed["train"] == ref["train"][3:]
+    for name, t in ref["weights"].items():
+        assert torch.equal(resumed["weights"][name], t), name
+
+
+def test_off_by_default():
+    cfg = config.load(None, [])
+    assert cfg.repro.world_invariant is False and cfg.repro.shards == 8
