@@ -127,6 +127,20 @@ def test_cuda_needs_deterministic_kernels():
     assert choose(cfg, world).name == "none"
 
 
+def test_batchnorm_shards_of_one_sample_are_refused_before_training(tmp_path):
+    p = trainer(
+        "train",
+        *MLP,
+        "repro.world_invariant=true",
+        "model.name=tests.test_world_invariant:bn_mlp",
+        "data.global_batch_size=8",
+        f"run_dir={tmp_path / 'run'}",
+        check=False,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert "raise data.global_batch_size to at least 16" in p.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("shards", [0, 3, 6, -8])
 def test_shards_must_be_a_power_of_two(shards):
     with pytest.raises(config.ConfigError, match="must be a power of two"):

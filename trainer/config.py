@@ -345,7 +345,7 @@ class ReproConfig:
     world_invariant: bool = False
     """The same bits on every world size dividing repro.shards: each global batch is cut into
     that many fixed shards, each rank computes its shards' gradients one by one, and all shard
-    gradients are added in one fixed tree (docs/reproducibility.md: what it costs). Strategy
+    gradients are added in one fixed tree (docs/training.md: how, and what it costs). Strategy
     none or ddp; with dist.device=cuda also set repro.deterministic=true."""
     shards: int = 8
     """Shards per global batch under repro.world_invariant: a power of two that the world size

@@ -21,7 +21,7 @@ in shard order in float64 for logging.
 
 Cost: K/W forward+backward passes of B/K samples instead of one of B/W per rank (smaller kernels),
 and an all-gather of W gradient-sized vectors instead of DDP's bucketed all-reduce (which overlaps
-the backward); docs/reproducibility.md and bench/ give numbers.
+the backward); docs/training.md and bench/ give numbers.
 """
 
 from __future__ import annotations
@@ -46,6 +46,18 @@ def shard_seed(seed: int, step: int, shard: int) -> int:
     """The torch RNG seed for shard `shard` of optimizer step `step` (dropout): no rank in it."""
     state = np.random.SeedSequence([seed, step, shard, 0x5A4D]).generate_state(2)
     return int(state[0]) << 32 | int(state[1])
+
+
+def seed_shard(seed: int, step: int, shard: int, device: str) -> None:
+    """Seed the generators the shard's forward draws from: the CPU's, and the GPU's it runs on.
+
+    Not torch.manual_seed: on a CPU-only machine it queues a lazy seed call (with a formatted
+    stack) for every accelerator kind, ~1 ms a call, which was a third of a small shard's time.
+    """
+    value = shard_seed(seed, step, shard)
+    torch.default_generator.manual_seed(value)
+    if device.startswith("cuda"):
+        torch.cuda.default_generators[torch.device(device).index or 0].manual_seed(value)
 
 
 class TreeSum:

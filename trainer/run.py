@@ -14,6 +14,7 @@ import torch
 from trainer import data, models, optim, sampler
 from trainer.checkpoint.manager import Checkpointer, LoopState
 from trainer.config import Config, TrainConfig
+from trainer.errors import ConfigError
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
 from trainer.ranks import World
@@ -93,6 +94,21 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return min(planned, cfg.max_steps) if cfg.max_steps else planned
 
 
+def _check_shards_fit_batchnorm(cfg: Config, model: torch.nn.Module, n: int) -> None:
+    """Under repro.world_invariant BatchNorm normalises each shard alone: it needs 2 samples."""
+    if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    b, k = cfg.data.global_batch_size, cfg.repro.shards
+    tail = n % b if n % b and not cfg.data.drop_last else b
+    if min(b, tail, n) // k < 2:
+        raise ConfigError(
+            f"repro.world_invariant=true: BatchNorm normalises each of the repro.shards={k} "
+            f"shards alone and needs 2 samples in each, but a batch of {min(b, tail, n)} gives "
+            f"fewer: raise data.global_batch_size to at least {2 * k}, set data.drop_last=true, "
+            "or lower repro.shards"
+        )
+
+
 def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, started: float) -> Run:
     """Data, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
@@ -122,6 +138,7 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         seed=cfg.seed,
     )
     if isinstance(strategy, WorldInvariant):
+        _check_shards_fit_batchnorm(cfg, model, len(spec.train))
         step.shards = ShardedGradients(
             model, rank=world.rank, world_size=world.size, shards=strategy.shards
         )

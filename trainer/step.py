@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import TrainConfig
-from trainer.invariant import ShardedGradients, shard_seed
+from trainer.invariant import ShardedGradients, seed_shard
 from trainer.strategy import Strategy
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,7 +117,7 @@ class TrainStep:
             lo, hi = shards.bounds(k, global_count)
             local = torch.zeros((), dtype=torch.float32, device=x.device)
             if hi > lo:  # an empty shard (a tail batch smaller than the shards) adds zeros
-                torch.manual_seed(shard_seed(self.seed, index, k))
+                seed_shard(self.seed, index, k, self.device)
                 for xc, yc in self._chunks(x[lo:hi], y[lo:hi]):
                     local += self._backward(xc, yc, 1.0 / terms)
             shards.end_shard(local)
