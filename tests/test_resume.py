@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from tests.helpers import REFERENCE as BASE
-from tests.helpers import checkpoints, read_jsonl, spawn, train_losses, trainer, wait_for, weights
+from tests.helpers import (
+    checkpoints,
+    children,
+    read_jsonl,
+    spawn,
+    train_losses,
+    trainer,
+    wait_for,
+    weights,
+)
 
 DROPOUT = ["model.dropout=0.1"]  # so the RNG state matters for bitwise equality
 
@@ -108,6 +117,35 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
     # The same command again: the sleep only slows the forward pass, the math is the reference's.
     trainer("train", *BASE, "model.kwargs.delay=0.05", f"run_dir={run_dir}", nproc=2)
     assert _bitwise_equal(run_dir, uninterrupted_w2)
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
+    """The stop vote runs in the background: a signal that lands in step k stops every rank
+    after step k+1 (README: the bound), with one checkpoint and exit 3 on both ranks."""
+    run_dir, status = tmp_path / "run", tmp_path / "status"
+    status.mkdir()
+    proc = spawn(
+        "train",
+        *BASE,
+        "model.kwargs.delay=0.5",  # half a second per step: the step in progress is known
+        f"run_dir={run_dir}",
+        nproc=2,
+        extra_env={"TRAINER_STATUS_DIR": str(status)},
+    )
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and len(read_jsonl(metrics)) >= 3, 120, "3 steps", proc)
+    logged = max(r["step"] for r in read_jsonl(metrics) if r["kind"] == "train")
+    workers = children(proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(max(workers), signal.SIGTERM)  # one rank only; rank 0 must learn it from the vote
+    out, _ = proc.communicate(timeout=60)
+    assert {(status / f).read_text().strip() for f in os.listdir(status)} == {"3"}, out[-2000:]
+    newest = checkpoints(run_dir)[-1]
+    meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
+    assert meta["reason"] == "signal SIGTERM"
+    # The signal landed in step logged+1 (steps take 0.5 s; the log line follows each step).
+    assert logged + 1 <= meta["loop"]["step"] <= logged + 2, (logged, meta["loop"]["step"])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -16,6 +16,7 @@ from trainer import data, ranks
 from trainer.config import CkptConfig, TrainConfig
 from trainer.errors import Preempted
 from trainer.evaluate import evaluate
+from trainer.signals import StopVote
 
 if TYPE_CHECKING:
     from trainer.run import Run
@@ -53,7 +54,8 @@ def should_save(
 
 
 def should_stop(run: Run) -> bool:
-    """Whether any rank was signalled (SIGTERM/SIGINT): a collective, called by every rank."""
+    """Whether any rank was signalled (SIGTERM/SIGINT): a blocking collective, called by every
+    rank (before the first step; between steps the loop uses the background StopVote)."""
     return run.stop.agreed(ranks.control_group())
 
 
@@ -70,7 +72,8 @@ def fit(run: Run) -> None:
     clock = TrainClock(before=run.results.get("train_time_s", 0.0))  # earlier segments
     losses = LossSums(run.world.device)
     run.model.train()
-    _stop_if_asked(run, clock)  # a signal during setup stops here, before the first step
+    _stop_if_asked(run, clock, should_stop(run))  # a signal during setup stops before step 1
+    vote = StopVote(run.stop, ranks.stop_group())
     while state.epoch < cfg.train.epochs and not run.finished:
         plan = run.epoch_plan(state.epoch)
         for _, x, y, count in data.train_batches(
@@ -89,7 +92,7 @@ def fit(run: Run) -> None:
                 _log_train(run, losses, clock)
             if should_eval(cfg.train, step=state.step):
                 _evaluate(run, clock)
-            _stop_if_asked(run, clock)
+            _stop_if_asked(run, clock, vote.poll())
             if run.finished:
                 break
             if should_save(cfg.ckpt, step=state.step, total_steps=run.total_steps):
@@ -106,6 +109,7 @@ def fit(run: Run) -> None:
                 cfg.ckpt, step=state.step, total_steps=run.total_steps, epoch_done=state.epoch
             ):
                 _save(run, clock, "every_epochs")
+    vote.finish()  # the last vote in flight; the run is complete whatever it says
     if run.results.get("eval", {}).get("step") != state.step:
         _evaluate(run, clock)
     if run.ckpt.last_saved_step != state.step:
@@ -150,8 +154,8 @@ def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = Fals
         return None
 
 
-def _stop_if_asked(run: Run, clock: TrainClock) -> None:
-    if not should_stop(run):
+def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
+    if not agreed:
         return
     name, step = run.stop.name, run.state.step
     if run.ckpt.last_saved_step == step:  # e.g. signalled during setup: nothing new to save

@@ -151,6 +151,7 @@ def from_process(device: str, backend: str, environ: Mapping[str, str]) -> World
 
 
 _control_group = None  # a gloo group, set by _init when the main backend is not gloo (nccl)
+_stop_group = None  # a gloo group of its own for the per-step stop flag (set when distributed)
 
 
 @contextlib.contextmanager
@@ -170,7 +171,7 @@ def process_group(world: World, timeout_s: int, *, even_alone: bool = False):
 
 
 def _init(world: World, timeout_s: int, even_alone: bool) -> None:
-    global _control_group
+    global _control_group, _stop_group
     import torch
     import torch.distributed as dist
 
@@ -190,6 +191,10 @@ def _init(world: World, timeout_s: int, even_alone: bool) -> None:
         dist.init_process_group(backend=world.backend, **kwargs)
         if world.backend != "gloo":
             _control_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
+        if world.distributed:
+            # The stop flag's all-reduce runs in the background while the step computes; its
+            # own group keeps it out of the way of the gradient all-reduce's queue.
+            _stop_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
     except dist.DistError as e:
         raise RetryableError(
             f"could not form the process group at {world.master_addr}:{world.master_port} within "
@@ -199,10 +204,10 @@ def _init(world: World, timeout_s: int, even_alone: bool) -> None:
 
 
 def _teardown() -> None:
-    global _control_group
+    global _control_group, _stop_group
     import torch.distributed as dist
 
-    _control_group = None
+    _control_group = _stop_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -241,6 +246,11 @@ def peer_failures_are_retryable(world: World, timeout_s: int):
 def control_group():
     """A gloo group for small CPU-side agreements (stop flags), so they never sync the GPU."""
     return _control_group
+
+
+def stop_group():
+    """The gloo group of the background stop-flag all-reduce (None in a single process)."""
+    return _stop_group
 
 
 def _joined() -> bool:
