@@ -32,8 +32,8 @@ def test_the_clock_counts_earlier_segments_and_leaves_pauses_out(monkeypatch):
     monkeypatch.setattr("trainer.loop.time.perf_counter", lambda: now[0])
     clock = TrainClock(before=7.0)
     now[0] += 2.0
-    assert clock.lap() == 2.0 and clock.total == 9.0
+    assert clock.lap() == (2.0, 0.0) and clock.total == 9.0
     with clock.paused():
         now[0] += 50.0  # evaluation or a checkpoint save
     now[0] += 1.0
-    assert clock.lap() == 1.0 and clock.total == 10.0
+    assert clock.lap() == (1.0, 0.0) and clock.total == 10.0

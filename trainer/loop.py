@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trainer import data, ranks
+from trainer import data, perf, ranks
 from trainer.config import CkptConfig, TrainConfig
 from trainer.errors import Preempted
 from trainer.evaluate import evaluate
@@ -69,16 +69,19 @@ def fit(run: Run) -> None:
     a checkpoint (Preempted, exit 3).
     """
     cfg, state = run.cfg, run.state
-    clock = TrainClock(before=run.results.get("train_time_s", 0.0))  # earlier segments
+    clock = TrainClock(  # counting on from the earlier segments of a resumed run
+        before=run.results.get("train_time_s", 0.0), waited=run.results.get("data_wait_s", 0.0)
+    )
     losses = LossSums(run.world.device)
     run.model.train()
     _stop_if_asked(run, clock, should_stop(run))  # a signal during setup stops before step 1
     vote = StopVote(run.stop, ranks.stop_group())
     while state.epoch < cfg.train.epochs and not run.finished:
         plan = run.epoch_plan(state.epoch)
-        for _, x, y, count in data.train_batches(
+        batches = data.train_batches(
             run.data, plan, run.world.rank, run.world.size, state.step_in_epoch
-        ):
+        )
+        for _, x, y, count in clock.timed(batches):
             x, y = (
                 x.to(run.world.device, non_blocking=True),
                 y.to(run.world.device, non_blocking=True),
@@ -115,17 +118,32 @@ def fit(run: Run) -> None:
     if run.ckpt.last_saved_step != state.step:
         _save(run, clock, "final", must_succeed=True)
     run.results["train_time_s"] = clock.total
+    run.results["data_wait_s"] = clock.waited
 
 
 def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> None:
     samples = losses.window_samples
     loss = losses.window_mean()  # all ranks' shares summed: the global mean loss per step
-    elapsed = clock.lap()
+    elapsed, waited = clock.lap()
     run.results["train"] = {"loss": loss}
     record = {"kind": "train", "step": run.state.step, "epoch": run.state.epoch, "loss": loss}
     record["lr"] = run.step.scheduler.get_last_lr()[0]
-    record["samples_per_s"] = samples / elapsed if elapsed > 0 else 0.0
+    record.update(throughput(run, samples, elapsed, waited))
     run.log.record(record)
+
+
+def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
+    """samples/s (tokens/s for an LM), the share of time this rank waited for data (rank 0's,
+    in percent: the rest is compute and communication, which DDP overlaps), and MFU."""
+    rate = samples / elapsed if elapsed > 0 else 0.0
+    out = {"samples_per_s": rate}
+    if run.data.task == "lm":
+        out["tokens_per_s"] = rate * run.data.tokens_per_sample
+    out["data_wait_pct"] = 100.0 * waited / elapsed if elapsed > 0 else 0.0
+    used = perf.mfu(rate, run.flops_per_sample, run.peak_flops, run.world.size)
+    if used is not None:
+        out["mfu"] = used
+    return out
 
 
 def _evaluate(run: Run, clock: TrainClock) -> None:
@@ -148,6 +166,7 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
 def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = False) -> str | None:
     with clock.paused():
         run.results["train_time_s"] = clock.total
+        run.results["data_wait_s"] = clock.waited
         if must_succeed:
             return run.ckpt.save(run.state, run.results, reason)
         run.ckpt.save_or_warn(run.state, run.results, reason)
@@ -208,18 +227,36 @@ class TrainClock:
     time. `total` starts at `before`, the earlier segments of a resumed run, and counts up to the
     latest lap or pause."""
 
-    def __init__(self, before: float = 0.0) -> None:
+    def __init__(self, before: float = 0.0, waited: float = 0.0) -> None:
         self.total = before
+        self.waited = waited
+        """Seconds spent waiting for the next batch, over all segments."""
+        self._lap_waited = 0.0
         self._mark = time.perf_counter()
         self._lap_start = self._mark
 
-    def lap(self) -> float:
-        """Seconds of training since the previous lap."""
+    def lap(self) -> tuple[float, float]:
+        """Seconds of training since the previous lap, and of those, seconds waiting for data."""
         now = time.perf_counter()
         self.total += now - self._mark
         self._mark = now
         lap, self._lap_start = now - self._lap_start, now
-        return lap
+        waited, self._lap_waited = self._lap_waited, 0.0
+        return lap, waited
+
+    def timed(self, batches):
+        """Yield from `batches`, counting the time spent waiting for each one."""
+        it = iter(batches)
+        while True:
+            started = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                return
+            waited = time.perf_counter() - started
+            self.waited += waited
+            self._lap_waited += waited
+            yield item
 
     @contextlib.contextmanager
     def paused(self):

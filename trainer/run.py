@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, models, optim, sampler
+from trainer import data, models, optim, perf, sampler
 from trainer.checkpoint.manager import Checkpointer, LoopState
 from trainer.config import Config, TrainConfig
 from trainer.errors import ConfigError
@@ -40,6 +40,10 @@ class Run:
     """Latest train/eval results and the train time so far (restored on resume)."""
     steps_per_epoch: int
     total_steps: int
+    flops_per_sample: float | None = None
+    """Forward + backward model FLOPs of one sample (perf.flops_per_sample), None if uncounted."""
+    peak_flops: float | None = None
+    """One device's dense peak FLOP/s for the run's precision, None if unknown (any CPU)."""
     started: float
     """time.time() when `trainer train` began."""
 
@@ -114,6 +118,7 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed, world.device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(world.device)
+    flops = perf.flops_per_sample(model, spec.in_shape, spec.task, world.device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.train.activation_checkpointing:
@@ -161,4 +166,6 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         steps_per_epoch=per_epoch,
         total_steps=total,
         started=started,
+        flops_per_sample=flops,
+        peak_flops=perf.peak_flops(perf.device_name(world.device), cfg.train.precision),
     )

@@ -121,7 +121,7 @@ def finish(run: Run, record: dict) -> dict:
         "train": results.get("train", {}),
         "eval": {k: v for k, v in results["eval"].items() if k != "step"},
         "train_time_s": train_time,
-        "samples_per_s": state.samples_seen / train_time if train_time else 0.0,
+        **_throughput(run, train_time),
         "wall_s": time.time() - run.started,
         "checkpoint_failures": run.ckpt.failures,
         "precision": run.cfg.train.precision,
@@ -143,6 +143,26 @@ def finish(run: Run, record: dict) -> dict:
     return summary
 
 
+def _throughput(run: Run, train_time: float) -> dict:
+    """Whole-run throughput: samples/s (tokens/s), data-wait share, FLOPs per sample, MFU."""
+    out = loop.throughput(
+        run, run.state.samples_seen, train_time, run.results.get("data_wait_s", 0.0)
+    )
+    out["flops_per_sample"] = run.flops_per_sample
+    out["peak_flops"] = run.peak_flops
+    out.setdefault("mfu", None)
+    return out
+
+
+def _rate(summary: dict) -> str:
+    rate = f"{summary['samples_per_s']:,.0f} samples/s"
+    if "tokens_per_s" in summary:
+        rate += f", {summary['tokens_per_s']:,.0f} tokens/s"
+    if summary.get("mfu") is not None:
+        rate += f", MFU {100 * summary['mfu']:.1f}%"
+    return rate
+
+
 def _done_line(run: Run, summary: dict) -> str:
     ev = summary["eval"]
     if "bits_per_byte" in ev:
@@ -153,7 +173,7 @@ def _done_line(run: Run, summary: dict) -> str:
         quality = f", accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else ""
     return (
         f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
-        f"({summary['samples_per_s']:,.0f} samples/s) | test loss {ev['loss']:.4f}{quality} "
+        f"({_rate(summary)}) | test loss {ev['loss']:.4f}{quality} "
         f"({ev['count']} samples)\n{metrics.memory_line(summary['memory'])}\n"
         f"run dir: {run.run_dir}  (config.yaml, metrics.jsonl, summary.json, "
         "final/model.safetensors)"
