@@ -1,0 +1,218 @@
+"""Bad checkpoints and bad output paths: one line, the right exit code, nothing written is lost.
+
+Damaged contents are written the way a hand edit or another tool would leave them: the file is
+re-written AND the manifest re-computed with store.write_manifest, so verification passes and
+only the structural checks on loading stand between the bad content and a traceback.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests import helpers
+from trainer import cli, config
+from trainer.checkpoint import store
+from trainer.errors import UsageError
+from trainer.train import train
+
+TINY = [
+    *helpers.TINY,
+    "train.epochs=4",
+    "optim.name=sgd",
+    "optim.lr=0.1",
+    "log.progress=none",
+    "ckpt.every_epochs=1",
+    "ckpt.keep_last=10",
+]
+NEWEST = "step-000000012"
+
+
+def _run(run_dir, *extra):
+    return train(config.load(None, [*TINY, f"run_dir={run_dir}", *extra]))
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("pristine") / "run"
+    _run(run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def run(pristine, tmp_path):
+    """A private copy of a finished 12-step run with checkpoints at steps 3, 6, 9 and 12."""
+    shutil.copytree(pristine, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def digest(folder) -> dict[str, str]:
+    """sha256 of every file below `folder`, by relative path."""
+    out = {}
+    for rel in store.files_under(str(folder)):
+        out[rel] = hashlib.sha256((folder / rel).read_bytes()).hexdigest()
+    return out
+
+
+def cli_run(*args):
+    """The real CLI in a subprocess (no check: the exit code is the point)."""
+    return helpers.trainer(*args, check=False)
+
+
+def assert_one_line_error(p, code: int, *fragments: str) -> str:
+    assert p.returncode == code, (p.returncode, p.stdout[-2000:], p.stderr[-2000:])
+    assert "Traceback" not in p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trainer: error: "), p.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], (fragment, lines[0])
+    return lines[0]
+
+
+def in_process(capsys, *args) -> tuple[int, str, str]:
+    """cli.main in this process: (exit code, stdout, stderr); an uncaught exception fails."""
+    code = cli.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# --- 1. a manifest that is not text ------------------------------------------------------------
+
+
+def _garble_manifest(ckpt):
+    (ckpt / store.MANIFEST).write_bytes(b"\xff\xfe\x00 not utf-8 \x80\x81  meta.json\n")
+
+
+def test_a_non_utf8_manifest_is_a_corrupt_checkpoint_and_resume_falls_back(run, capsys):
+    root = run / "checkpoints"
+    _garble_manifest(root / NEWEST)
+    with pytest.raises(store.CorruptCheckpoint, match="not text"):
+        store.verify(str(root / NEWEST))
+    older = {n: digest(root / n) for n in ("step-000000003", "step-000000006", "step-000000009")}
+    code, out, err = in_process(capsys, "train", *TINY, "train.epochs=5", f"run_dir={run}")
+    assert code == 0, err
+    assert f"{NEWEST} is corrupt ({store.MANIFEST} is not text" in out
+    assert "resumed from" in out and "step-000000009 (step 9" in out
+    assert {n: digest(root / n) for n in older} == older
+
+
+def test_when_every_checkpoint_is_damaged_auto_resume_exits_2_and_keeps_everything(run):
+    for _, path in store.list_checkpoints(str(run / "checkpoints")):
+        _garble_manifest(run / "checkpoints" / os.path.basename(path))
+    before = digest(run)
+    p = cli_run("train", *TINY, "train.epochs=5", f"run_dir={run}")
+    assert_one_line_error(p, 2, "ckpt.resume=auto", "no checkpoint in", "verifies")
+    assert digest(run) == before  # no fresh start over the old checkpoints and metrics
+
+
+# --- 2. contents that verify but do not fit ----------------------------------------------------
+
+
+def _edit_json(name, **changes):
+    def edit(ckpt):
+        data = json.loads((ckpt / name).read_text())
+        data.update(changes)
+        (ckpt / name).write_text(json.dumps(data))
+
+    return edit
+
+
+def _write(name, text):
+    return lambda ckpt: (ckpt / name).write_text(text)
+
+
+def _torch(name, value):
+    return lambda ckpt: torch.save(value, ckpt / name)
+
+
+def _edit_state(**changes):
+    def edit(ckpt):
+        state = torch.load(ckpt / "state.pt", weights_only=True)
+        state.update(changes)
+        torch.save(state, ckpt / "state.pt")
+
+    return edit
+
+
+def _edit_weights(change):
+    def edit(ckpt):
+        tensors = load_file(str(ckpt / "model.safetensors"))
+        save_file(change(tensors), str(ckpt / "model.safetensors"))
+
+    return edit
+
+
+def _renamed(tensors):
+    tensors["bogus.weight"] = tensors.pop("1.weight")
+    return tensors
+
+
+def _reshaped(tensors):
+    tensors["1.weight"] = torch.zeros(5, 16)
+    return tensors
+
+
+CONTENT_DAMAGE = {
+    "meta-empty": (_write("meta.json", "{}"), "meta.json: 'loop' is NoneType"),
+    "meta-not-json": (_write("meta.json", "{nope"), "meta.json or config.yaml is unreadable"),
+    "loop-string": (_edit_json("meta.json", loop="x"), "meta.json: 'loop' is str"),
+    "loop-keys": (_edit_json("meta.json", loop={"step": -1}), "'loop' must hold"),
+    "config-list": (_write("config.yaml", "- a\n- b\n"), "config.yaml holds a ListConfig"),
+    "optimizer-empty": (_torch("optimizer.pt", {}), "optimizer.pt is not an optimizer"),
+    "optimizer-groups": (
+        _torch("optimizer.pt", {"state": {}, "param_groups": [{"params": [0]}]}),
+        "optimizer.pt does not fit this optimizer",
+    ),
+    "state-empty": (_torch("state.pt", {}), "state.pt: 'scheduler' is missing"),
+    "rng-size": (
+        _edit_state(rng=[{"torch": torch.zeros(3, dtype=torch.uint8)}]),
+        "state.pt: rank 0's RNG state 'torch' is not a torch.uint8 tensor of shape",
+    ),
+    "rng-type": (_edit_state(rng="x"), "state.pt: 'rng' is not a list"),
+    "weights-keys": (_edit_weights(_renamed), "model.safetensors does not hold this model"),
+    "weights-shape": (_edit_weights(_reshaped), "1.weight has shape (5, 16), the model (8, 16)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONTENT_DAMAGE))
+def test_contents_that_verify_but_do_not_fit_are_refused_in_one_line(run, case):
+    damage, problem = CONTENT_DAMAGE[case]
+    ckpt = run / "checkpoints" / NEWEST
+    damage(ckpt)
+    store.write_manifest(str(ckpt))
+    store.verify(str(ckpt))  # it verifies: only the structure is wrong
+    before = digest(run)
+    with pytest.raises(UsageError) as e:
+        _run(run, "train.epochs=5", f"ckpt.resume={ckpt}")
+    assert f"ckpt.resume={ckpt}: damaged checkpoint" in str(e.value) and problem in str(e.value)
+    assert len(str(e.value).splitlines()) == 1 and e.value.exit_code == 2
+    assert digest(run) == before
+
+
+@pytest.mark.parametrize("case", ["meta-empty", "rng-size", "weights-keys"])
+def test_auto_resume_passes_over_a_damaged_checkpoint_like_a_corrupt_one(run, case, capsys):
+    damage, problem = CONTENT_DAMAGE[case]
+    root = run / "checkpoints"
+    damage(root / NEWEST)
+    store.write_manifest(str(root / NEWEST))
+    older = {n: digest(root / n) for n in ("step-000000003", "step-000000006", "step-000000009")}
+    summary = _run(run, "train.epochs=5")
+    out = capsys.readouterr().out
+    assert f"{NEWEST} is damaged ({problem}" in out and "falling back to an older one" in out
+    assert "resumed from" in out and "step-000000009 (step 9" in out
+    assert summary["steps"] == 15
+    assert {n: digest(root / n) for n in older} == older
+
+
+def test_a_damaged_checkpoint_named_on_the_command_line_exits_2_in_one_line(run):
+    ckpt = run / "checkpoints" / NEWEST
+    (ckpt / "meta.json").write_text("{}")
+    store.write_manifest(str(ckpt))
+    before = digest(run)
+    p = cli_run("train", *TINY, "train.epochs=5", f"run_dir={run}", f"ckpt.resume={ckpt}")
+    assert_one_line_error(p, 2, f"ckpt.resume={ckpt}: damaged checkpoint", "meta.json: 'loop'")
+    assert digest(run) == before
