@@ -216,3 +216,88 @@ def test_a_damaged_checkpoint_named_on_the_command_line_exits_2_in_one_line(run)
     p = cli_run("train", *TINY, "train.epochs=5", f"run_dir={run}", f"ckpt.resume={ckpt}")
     assert_one_line_error(p, 2, f"ckpt.resume={ckpt}: damaged checkpoint", "meta.json: 'loop'")
     assert digest(run) == before
+
+
+# --- 3. weights of the wrong shape name the key, both shapes and the config key ----------------
+
+
+def test_eval_of_weights_of_another_shape_names_the_config_key(run):
+    p = cli_run("eval", run, "model.kwargs.width=16")
+    assert_one_line_error(
+        p,
+        2,
+        "1.weight has shape (8, 16) there, (16, 16) here",
+        "likely config key model.kwargs.width",
+    )
+
+
+def test_init_weights_of_another_shape_names_the_config_key(run, tmp_path):
+    with pytest.raises(UsageError) as e:
+        _run(tmp_path / "warm", f"ckpt.init_weights={run}", "model.kwargs.width=16")
+    assert "1.weight has shape (8, 16) there, (16, 16) here" in str(e.value)
+    assert "model.kwargs.width (None in" in str(e.value) and "16 here)" in str(e.value)
+    assert not (tmp_path / "warm").exists()
+
+
+def test_without_a_saved_config_the_hint_is_the_model_familys_shape_key(tmp_path):
+    from trainer.checkpoint.weights import load_weights_into
+    from trainer.models import mlp
+
+    torch.save(mlp((1, 4, 4), 3, hidden=[32]).state_dict(), tmp_path / "w.pt")
+    cfg = config.load(None, ["model.hidden=[64]"])
+    with pytest.raises(
+        UsageError, match=r"\(32, 16\) there, \(64, 16\) here\): check model.hidden"
+    ):
+        load_weights_into(mlp((1, 4, 4), 3, hidden=[64]), str(tmp_path / "w.pt"), None, cfg.model)
+
+
+# --- 4. a checkpoint directory is accepted by eval, export and ckpt.init_weights ---------------
+
+
+def test_eval_export_and_init_weights_accept_a_checkpoint_directory(run, tmp_path, capsys):
+    ckpt = run / "checkpoints" / "step-000000009"
+    before = digest(run)
+    p = cli_run("eval", ckpt)
+    assert p.returncode == 0, p.stderr
+    from_ckpt = json.loads(p.stdout.strip().splitlines()[-1])
+    assert from_ckpt["count"] == 7 and "accuracy" in from_ckpt
+    code, out, err = in_process(capsys, "eval", run / "checkpoints" / NEWEST)
+    assert code == 0, err
+    assert json.loads(out.strip().splitlines()[-1]) == json.loads(
+        in_process(capsys, "eval", run)[1].strip().splitlines()[-1]
+    )  # the run's newest checkpoint is step 12
+
+    code, out, err = in_process(capsys, "export", ckpt, "-o", tmp_path / "out")
+    assert code == 0, err
+    saved = load_file(str(ckpt / "model.safetensors"))
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert saved.keys() == exported.keys() and all(
+        torch.equal(saved[k], exported[k]) for k in saved
+    )
+
+    warm = tmp_path / "warm"
+    code, out, err = in_process(
+        capsys, "train", *TINY, f"run_dir={warm}", f"ckpt.init_weights={ckpt}", "optim.lr=1e-9"
+    )
+    assert code == 0, err
+    assert f"initial weights from {ckpt}" in out
+    final = load_file(str(warm / "final" / "model.safetensors"))
+    assert all(torch.allclose(saved[k], final[k], atol=1e-6) for k in saved)  # lr 1e-9
+    assert digest(run) == before
+
+
+# --- 8. eval of weights holding NaN/inf --------------------------------------------------------
+
+
+def test_eval_of_weights_with_nan_says_so_in_one_line(run, tmp_path):
+    for folder in (run / "final", run / "checkpoints" / NEWEST):
+        tensors = load_file(str(folder / "model.safetensors"))
+        tensors["3.bias"][0] = float("nan")
+        tensors["1.weight"][0, 0] = float("inf")
+        save_file(tensors, str(folder / "model.safetensors"))
+    store.write_manifest(str(run / "checkpoints" / NEWEST))
+    p = cli_run("eval", run)
+    assert_one_line_error(p, 2, "NaN/inf values (1.weight and 1 more)", "diverged")
+    assert "loss" not in p.stdout
+    with pytest.raises(UsageError, match="NaN/inf"):
+        _run(tmp_path / "warm", f"ckpt.init_weights={run / 'final' / 'model.safetensors'}")

@@ -185,7 +185,9 @@ class Checkpointer:
 
     def _fresh_start(self) -> tuple[LoopState, dict]:
         if self.cfg.ckpt.init_weights:
-            load_weights_into(self.step.model, self.cfg.ckpt.init_weights, self.step.strategy)
+            load_weights_into(
+                self.step.model, self.cfg.ckpt.init_weights, self.step.strategy, self.cfg.model
+            )
             self.log.info(f"initial weights from {self.cfg.ckpt.init_weights}")
         repro.seed_rank(self.cfg.seed, self.world.rank)
         self.last_saved_step = 0  # step 0 needs no checkpoint: a fresh start recreates it

@@ -87,9 +87,14 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return strip_prefixes(state)
 
 
-def load_weights_into(model: nn.Module, path: str, strategy: Strategy | None = None) -> None:
+def load_weights_into(
+    model: nn.Module, path: str, strategy: Strategy | None = None, model_cfg=None
+) -> None:
     """Load weights (any prefix, any device of origin, any saving strategy) into `model`,
-    strictly: every name and every shape must match."""
+    strictly: every name and every shape must match, and every value must be finite.
+
+    `model_cfg` (the ModelConfig that built `model`) lets a mismatch name the config key that
+    differs from the config saved with the weights."""
     state = read_weights(path)
     expected = unwrap(model).state_dict()
     missing, unexpected = (
@@ -99,15 +104,70 @@ def load_weights_into(model: nn.Module, path: str, strategy: Strategy | None = N
     if missing or unexpected:
         raise UsageError(
             f"{path}: weights do not fit model (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}): check model.* matches the run that saved them"
+            f"{unexpected[:5]}): {config_hint(path, model_cfg)}"
         )
     for name, tensor in expected.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
             raise UsageError(
                 f"{path}: weights do not fit model ({name} has shape {tuple(state[name].shape)} "
-                f"there, {tuple(tensor.shape)} here): check model.* matches the run that saved them"
+                f"there, {tuple(tensor.shape)} here): {config_hint(path, model_cfg)}"
             )
+    bad = [n for n, t in state.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise UsageError(
+            f"{path}: the weights hold NaN/inf values ({bad[0]}{more}): the run that saved them "
+            "diverged; use an earlier checkpoint (RUN/checkpoints/step-N)"
+        )
     (strategy or Strategy()).load_state_dict(model, state)
+
+
+_LIKELY_KEY = {
+    "mlp": "model.hidden",
+    "gpt": "model.gpt.* (width, layers, heads, context)",
+    "lenet": "model.num_classes / model.in_channels / data.name",
+    "resnet18": "model.num_classes / model.in_channels / data.name",
+    "vgg11": "model.num_classes / model.in_channels / data.name",
+}
+
+
+def _flat(d: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_hint(path: str, model_cfg=None) -> str:
+    """The config key(s) most likely to make weights at `path` fit: the model.* values that
+    differ from the config saved with them, else the shape-setting key of this model family."""
+    if model_cfg is None:
+        return "check model.* matches the run that saved them"
+    from omegaconf import OmegaConf
+
+    here = _flat(OmegaConf.to_container(OmegaConf.structured(model_cfg)), "model.")
+    saved_path = find_config(path)
+    saved = None
+    if saved_path:
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(saved_path)).get("model")
+        except Exception:  # an unreadable config.yaml only costs the hint its precision
+            saved = None
+    if isinstance(saved, dict):
+        there = _flat(saved, "model.")
+        diffs = [
+            f"{k} ({there.get(k)!r} in {saved_path}, {here.get(k)!r} here)"
+            for k in sorted(there.keys() | here.keys())
+            if there.get(k) != here.get(k)
+        ]
+        if diffs:
+            return f"likely config key {'; '.join(diffs[:3])}: set it as the saving run did"
+    name = str(here.get("model.name"))
+    key = _LIKELY_KEY.get(name, "model.kwargs (the factory's arguments)")
+    return f"check {key} matches the run that saved them"
 
 
 def find_config(src: str) -> str | None:
