@@ -301,3 +301,58 @@ def test_eval_of_weights_with_nan_says_so_in_one_line(run, tmp_path):
     assert "loss" not in p.stdout
     with pytest.raises(UsageError, match="NaN/inf"):
         _run(tmp_path / "warm", f"ckpt.init_weights={run / 'final' / 'model.safetensors'}")
+
+
+# --- 5. export -o to a path it cannot or must not write ----------------------------------------
+
+
+@pytest.fixture
+def readonly_dir(tmp_path):
+    """A read-only tmpfs (chmod does not stop root); skipped where mounting is not permitted."""
+    import subprocess
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0 or not shutil.which("mount"):
+        pytest.skip("needs root to mount a read-only tmpfs")
+    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)]
+    if subprocess.run(mount, capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_export_to_an_unwritable_place_exits_2_in_one_line(run):
+    before = digest(run)
+    p = cli_run("export", run, "-o", "/proc/trainer-export")
+    assert_one_line_error(p, 2, "export -o /proc/trainer-export: No such file or directory")
+    assert digest(run) == before
+
+
+def test_export_to_a_read_only_mount_exits_2_and_leaves_nothing(run, readonly_dir, capsys):
+    code, _, err = in_process(capsys, "export", run, "-o", readonly_dir / "out")
+    assert code == 2 and "Read-only file system" in err and len(err.strip().splitlines()) == 1
+    assert os.listdir(readonly_dir) == []
+
+
+def test_export_refuses_an_output_it_would_half_write_or_clobber(run, tmp_path, capsys):
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    cases = {
+        tmp_path / "missing" / "out": "does not exist: create it first",
+        tmp_path / "file" / "out": "is a file, not a folder",
+        tmp_path / "file": "is a file, not a directory",
+        tmp_path / "busy": "holds other files (notes.txt)",
+    }
+    before = digest(tmp_path)
+    for out, fragment in cases.items():
+        code, _, err = in_process(capsys, "export", run, "-o", out)
+        assert code == 2 and fragment in err and len(err.strip().splitlines()) == 1, (out, err)
+    assert digest(tmp_path) == before  # the run, the file and the folder's notes are all intact
+    assert not (tmp_path / "missing").exists()
+    # An earlier export is what export may replace.
+    assert in_process(capsys, "export", run, "-o", tmp_path / "again")[0] == 0
+    assert in_process(capsys, "export", run, "-o", tmp_path / "again")[0] == 0

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import store
-from trainer.errors import UsageError
+from trainer.errors import UsageError, io_error
 from trainer.strategy import Strategy, unwrap
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -184,18 +184,46 @@ def export(src: str, out: str | None = None) -> str:
     """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict."""
     from safetensors.torch import save_file
 
-    state = read_weights(src)
     if out is None:
         out = (
             os.path.join(src, "export")
             if os.path.isdir(src)
             else os.path.splitext(src)[0] + "-export"
         )
+    _check_out(out)  # before reading: a bad -o fails at once
+    state = read_weights(src)
     config = find_config(src)
-    with store.atomic_dir(out) as tmp:
-        save_file(
-            {k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors")
-        )
-        if config:
-            shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
+    try:
+        with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
+            save_file(
+                {k: v.contiguous() for k, v in state.items()},
+                os.path.join(tmp, "model.safetensors"),
+            )
+            if config:
+                shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
+    except OSError as e:
+        raise io_error(e, f"export -o {out}", "name a directory on writable storage") from None
     return os.path.join(out, "model.safetensors")
+
+
+EXPORTED = {"model.safetensors", "config.yaml"}
+
+
+def _check_out(out: str) -> None:
+    """`out` is a directory export may create or replace: its parent exists and is a directory,
+    and it is absent, empty, or an earlier export (only what export writes). Anything else
+    would be lost when the new export replaces it."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        if os.path.exists(parent):
+            raise UsageError(f"export -o {out}: {parent} is a file, not a folder: fix the path")
+        raise UsageError(f"export -o {out}: the folder {parent} does not exist: create it first")
+    if os.path.isdir(out):
+        other = sorted(set(os.listdir(out)) - EXPORTED)
+        if other:
+            raise UsageError(
+                f"export -o {out}: a folder that holds other files ({', '.join(other[:3])}) would "
+                "be replaced: name a new directory (or an earlier export's)"
+            )
+    elif os.path.lexists(out):
+        raise UsageError(f"export -o {out}: is a file, not a directory: name a new directory")
