@@ -5,10 +5,12 @@ re-written AND the manifest re-computed with store.write_manifest, so verificati
 only the structural checks on loading stand between the bad content and a traceback.
 """
 
+import errno
 import hashlib
 import json
 import os
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -307,21 +309,32 @@ def test_eval_of_weights_with_nan_says_so_in_one_line(run, tmp_path):
 
 
 @pytest.fixture
-def readonly_dir(tmp_path):
-    """A read-only tmpfs (chmod does not stop root); skipped where mounting is not permitted."""
+def tmpfs(tmp_path):
+    """A fresh tmpfs and a function that remounts it read-only (chmod does not stop root);
+    skipped where mounting is not permitted."""
     import subprocess
 
-    folder = tmp_path / "ro"
+    folder = tmp_path / "mnt"
     folder.mkdir()
     if os.geteuid() != 0 or not shutil.which("mount"):
-        pytest.skip("needs root to mount a read-only tmpfs")
-    mount = ["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)]
+        pytest.skip("needs root to mount a tmpfs")
+    mount = ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(folder)]
     if subprocess.run(mount, capture_output=True).returncode != 0:
         pytest.skip("cannot mount a tmpfs here")
+
+    def read_only():
+        subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
+
     try:
-        yield folder
+        yield SimpleNamespace(path=folder, read_only=read_only)
     finally:
         subprocess.run(["umount", str(folder)], check=True)
+
+
+@pytest.fixture
+def readonly_dir(tmpfs):
+    tmpfs.read_only()
+    return tmpfs.path
 
 
 def test_export_to_an_unwritable_place_exits_2_in_one_line(run):
@@ -356,3 +369,56 @@ def test_export_refuses_an_output_it_would_half_write_or_clobber(run, tmp_path, 
     # An earlier export is what export may replace.
     assert in_process(capsys, "export", run, "-o", tmp_path / "again")[0] == 0
     assert in_process(capsys, "export", run, "-o", tmp_path / "again")[0] == 0
+
+
+# --- 7. a ckpt.dir that can never be written is exit 2, found up front -------------------------
+
+
+def test_dry_run_catches_a_ckpt_dir_under_proc_up_front(tmp_path):
+    p = cli_run("train", "--dry-run", *TINY, f"run_dir={tmp_path / 'run'}", "ckpt.dir=/proc/ckpts")
+    assert_one_line_error(p, 2, "ckpt.dir /proc/ckpts is not writable", "No such file or directory")
+    assert "dry run ok" not in p.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_ckpt_dir_under_a_regular_file_exits_2_before_training(tmp_path):
+    (tmp_path / "file").write_text("mine")
+    p = cli_run(
+        "train", *TINY, f"run_dir={tmp_path / 'run'}", f"ckpt.dir={tmp_path / 'file' / 'c'}"
+    )
+    assert_one_line_error(p, 2, f"ckpt.dir {tmp_path / 'file' / 'c'} is not writable")
+    assert (tmp_path / "file").read_text() == "mine" and not (tmp_path / "run").exists()
+
+
+def test_a_read_only_ckpt_dir_is_exit_2_for_the_dry_run_and_the_run(tmpfs, tmp_path, capsys):
+    run_dir = tmpfs.path / "run"
+    _run(run_dir, "train.epochs=2")
+    capsys.readouterr()
+    tmpfs.read_only()
+    before = digest(tmpfs.path)
+    for dry in (["--dry-run"], []):
+        code, out, err = in_process(
+            capsys, "train", *dry, *TINY, f"run_dir={run_dir}", "train.epochs=3"
+        )
+        assert code == 2, (dry, out, err)
+        assert len(err.strip().splitlines()) == 1 and "Read-only file system" in err
+        assert f"ckpt.dir {run_dir / 'checkpoints'} is not writable" in err
+        assert "dry run ok" not in out and "checkpoint step" not in out
+    assert digest(tmpfs.path) == before
+
+
+def test_a_save_refused_for_good_mid_run_is_exit_2_naming_ckpt_dir(tmp_path, monkeypatch, capsys):
+    real_write = store.write
+
+    def write(root, step, **kw):
+        if step == 6:
+            raise OSError(errno.EROFS, "Read-only file system", root)
+        return real_write(root, step, **kw)
+
+    monkeypatch.setattr(store, "write", write)
+    run_dir = tmp_path / "run"
+    code, _, err = in_process(capsys, "train", *TINY, f"run_dir={run_dir}")
+    assert code == 2, err  # a periodic save, but no later one can succeed either
+    assert f"ckpt.dir {run_dir / 'checkpoints'}: checkpoint at step 6" in err
+    assert "Read-only file system" in err and "step-000000003" in err
+    assert len(err.strip().splitlines()) == 1
+    store.verify(str(run_dir / "checkpoints" / "step-000000003"))

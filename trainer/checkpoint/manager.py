@@ -7,7 +7,9 @@ The on-disk format is store.py's.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
@@ -18,7 +20,14 @@ from trainer import metrics, ranks, repro
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, to_dict, to_yaml
-from trainer.errors import ConfigError, RetryableError, UsageError, first_line
+from trainer.errors import (
+    ConfigError,
+    RetryableError,
+    UsageError,
+    first_line,
+    io_error,
+    is_permanent_io,
+)
 
 if TYPE_CHECKING:
     from trainer.metrics import RunLogger
@@ -75,6 +84,9 @@ def checkpoint_dir(cfg: Config) -> str:
 
 class CheckpointWriteError(RetryableError):
     """A checkpoint could not be written (full disk, I/O error); the previous one is intact."""
+
+
+WRITABLE_FIX = "point ckpt.dir (default <run_dir>/checkpoints) at writable storage"
 
 
 def _flatten(d: dict, prefix: str = "") -> dict:
@@ -148,6 +160,7 @@ class Checkpointer:
         model) is passed over like a corrupt one under ckpt.resume=auto (or a run directory):
         the next older one is tried. A checkpoint named by path is refused (exit 2).
         """
+        self.check_writable()
         damaged: list[str] = []
         if self.world.is_main:
             store.remove_stale_temporaries(self.root)
@@ -182,6 +195,33 @@ class Checkpointer:
                 f"checkpoint {choice} is damaged ({problem}); falling back to an older one"
             )
             damaged.append(choice)
+
+    def check_writable(self) -> None:
+        """Fail before any work when ckpt.dir cannot hold checkpoints: exit 2 when the path is
+        at fault (read-only, no permission, under a file, under /proc), 4 when it may clear up."""
+        problem = None
+        if self.world.is_main:
+            created = []  # the folders the probe makes, removed again: it leaves nothing behind
+            folder = self.root
+            while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
+                created.append(folder)
+                folder = os.path.dirname(folder)
+            try:
+                os.makedirs(self.root, exist_ok=True)
+                fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=self.root)
+                os.close(fd)
+                os.remove(probe)
+            except OSError as e:
+                error = io_error(e, f"ckpt.dir {self.root} is not writable", WRITABLE_FIX)
+                problem = (isinstance(error, UsageError), str(error))
+            finally:
+                for folder in created:  # deepest first
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
+        problem = ranks.broadcast_object(problem)
+        if problem:
+            permanent, message = problem
+            raise ConfigError(message) if permanent else CheckpointWriteError(message)
 
     def _fresh_start(self) -> tuple[LoopState, dict]:
         if self.cfg.ckpt.init_weights:
@@ -264,6 +304,7 @@ class Checkpointer:
         rngs = ranks.gather_objects(repro.rng_state(self.world.device))
         started = time.perf_counter()
         target = root or self.root
+        permanent = False
         try:
             if self.step.strategy.sharded:
                 path = self._write_sharded(target, state, results, reason, rngs)
@@ -272,16 +313,19 @@ class Checkpointer:
             error = None
         except Exception as e:  # OSError, torch/safetensors/DCP write errors: disk full, I/O, ...
             path, error = None, store.describe_error(e)
+            permanent = is_permanent_io(store.root_cause(e))
         if error and self.world.is_main:
             error = (
                 f"checkpoint at step {state.step} could not be written to {target} ({error}); "
                 f"the previous checkpoint is intact: {store.latest_valid(self.root) or 'none yet'}"
             )
+            if permanent:  # read-only, no permission, ...: no retry can help
+                error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
         # Rank 0 wrote (or sealed) it: its outcome is everyone's.
-        path, error = ranks.broadcast_object((path, error))
+        path, error, permanent = ranks.broadcast_object((path, error, error and permanent))
         if error:
             self.failures += 1
-            raise CheckpointWriteError(error)
+            raise (ConfigError if permanent else CheckpointWriteError)(error)
         if root is None:
             if self.world.is_main:
                 store.prune(self.root, self.cfg.ckpt.keep_last)
@@ -313,10 +357,10 @@ class Checkpointer:
             try:
                 tmp = store.begin(path)
             except OSError as e:
-                error = first_line(e)
+                error = (e.errno, e.strerror or first_line(e), e.filename)
         tmp, error = ranks.broadcast_object((tmp, error))
         if error:
-            raise OSError(error)
+            raise OSError(*error)  # with its errno: a read-only ckpt.dir is not worth a retry
         from trainer.checkpoint import sharded
 
         try:

@@ -423,6 +423,17 @@ def remove_stale_temporaries(root: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def root_cause(e: BaseException) -> BaseException:
+    """The exception behind an error: the first rank's inside DCP's CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        _, cause = sorted(failures.items())[0]
+        inner = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(inner, BaseException):
+            return inner
+    return e
+
+
 def describe_error(e: BaseException) -> str:
     """One line for an error, reaching inside DCP's CheckpointException to the first rank's."""
     failures = getattr(e, "failures", None)
