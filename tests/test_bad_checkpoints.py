@@ -422,3 +422,98 @@ def test_a_save_refused_for_good_mid_run_is_exit_2_naming_ckpt_dir(tmp_path, mon
     assert "Read-only file system" in err and "step-000000003" in err
     assert len(err.strip().splitlines()) == 1
     store.verify(str(run_dir / "checkpoints" / "step-000000003"))
+
+
+# --- 6. a disk that fills up under metrics.jsonl -----------------------------------------------
+
+
+class _FillsUp:
+    """metrics.jsonl's file object, on a disk that fills up after `lines` more lines: the next
+    write gets half its line out and then ENOSPC, as a real full disk does."""
+
+    def __init__(self, f, lines: int):
+        self.f, self.left = f, lines
+
+    def write(self, text):
+        if self.left <= 0:
+            self.f.write(text[: len(text) // 2])
+            self.f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device", self.f.name)
+        self.left -= 1
+        return self.f.write(text)
+
+    def flush(self):
+        return self.f.flush()
+
+    def close(self):
+        return self.f.close()
+
+
+def fill_disk_after(lines: int) -> None:
+    """Make every RunLogger's metrics.jsonl run out of space after `lines` lines (this process)."""
+    from trainer.metrics import RunLogger
+
+    real_open = RunLogger.open
+
+    def open_(self, *a, **k):
+        real_open(self, *a, **k)
+        if self._jsonl is not None:
+            self._jsonl = _FillsUp(self._jsonl, lines)
+
+    RunLogger.open = open_
+
+
+def full_disk_model(num_classes, in_shape, lines=7):
+    """A plug-in model factory that, as a side effect, fills the disk under metrics.jsonl: how
+    the subprocess test gets the fault into the real CLI."""
+    fill_disk_after(lines)
+    return helpers.tiny_model(num_classes, in_shape)
+
+
+def test_a_full_disk_under_metrics_saves_a_checkpoint_and_exits_4_in_one_line(tmp_path):
+    run_dir = tmp_path / "run"
+    p = cli_run(
+        "train",
+        *TINY,
+        f"model.name={__name__}:full_disk_model",
+        "log.every_steps=1",
+        f"run_dir={run_dir}",
+    )
+    assert_one_line_error(p, 4, "metrics.jsonl", "No space left on device", "step-000000008 saved")
+    root = run_dir / "checkpoints"
+    assert [s for s, _ in store.list_checkpoints(str(root))] == [8, 6, 3]
+    for _, path in store.list_checkpoints(str(root)):
+        store.verify(path)
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines[:-1]] == [
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        7,
+    ]  # step 8: half a line
+
+
+def test_after_a_full_disk_the_earlier_checkpoints_and_metrics_are_intact_and_a_rerun_resumes(
+    run, monkeypatch, capsys
+):
+    root = run / "checkpoints"
+    before = {p.name: digest(p) for p in root.iterdir()}
+    metrics_before = (run / "metrics.jsonl").read_text()
+    with monkeypatch.context() as m:
+        from trainer.metrics import RunLogger
+
+        m.setattr(RunLogger, "open", RunLogger.open)  # undone on leaving the block
+        fill_disk_after(2)
+        code, out, err = in_process(
+            capsys, "train", *TINY, "train.epochs=6", "log.every_steps=1", f"run_dir={run}"
+        )
+    assert code == 4 and len(err.strip().splitlines()) == 1, err
+    assert "No space left on device" in err and "step-000000015 saved" in err
+    assert {n: digest(root / n) for n in before} == before
+    assert (run / "metrics.jsonl").read_text().startswith(metrics_before)
+    code, out, err = in_process(capsys, "train", *TINY, "train.epochs=6", f"run_dir={run}")
+    assert code == 0, err
+    assert "resumed from" in out and "step-000000015 (step 15" in out
