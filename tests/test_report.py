@@ -126,6 +126,7 @@ def test_optional_per_step_fields_get_their_own_plots_and_columns(tmp_path, caps
     assert code == 0, err
     for name in ("tokens_per_s.png", "mfu.png", "data_s.png"):
         assert png_size(tmp_path / "out" / name) == (800, 450)
+        assert str(tmp_path / "out" / name) in stdout.split()
     rows = table((tmp_path / "out" / "report.md").read_text())
     assert rows["a w1"]["median MFU"] == "42.0%" and rows["b w2"]["median MFU"] == "–"
     assert rows["a w1"]["median tokens/s"] == "250,000"
@@ -208,3 +209,4 @@ def test_a_real_run(tmp_path, capsys):
     assert row["strategy"] == "none" and row["vs first"] == "1.00x"
     for name in ("loss.png", "lr.png", "throughput.png", "eval_loss.png", "eval_accuracy.png"):
         assert png_size(run / "report" / name) == (800, 450)
+        assert str(run / "report" / name) in stdout.split()
