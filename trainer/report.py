@@ -249,7 +249,7 @@ def figures(runs: list[Run]) -> dict[str, object]:
             if not steps:
                 continue
             every += values
-            marker = "o" if kind == "eval" or len(steps) < 3 else ""
+            marker = "os^D"[i % 4] if kind == "eval" or len(steps) < 3 else ""
             style = marker + _STYLES[i % len(_STYLES)]
             ax.plot(steps, values, style, label=run.label, markersize=4, linewidth=1.8)
         if not every:
@@ -263,7 +263,7 @@ def figures(runs: list[Run]) -> dict[str, object]:
             ax.set_yscale("log")
             ax.set_ylabel(f"{ylabel} (log scale)")
         elif key == "mfu" and max(every) <= 1:
-            ax.yaxis.set_major_formatter(PercentFormatter(1.0))
+            ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
             ax.set_ylim(bottom=0)
         elif key in ("samples_per_s", "tokens_per_s"):
             ax.set_ylim(bottom=0)
