@@ -82,6 +82,11 @@ bench: setup  ## throughput ratios side by side (GPU suite on a CUDA machine, el
 tensorboard: setup  ## serve runs/*/tb on http://localhost:6006
 	$(BIN)/tensorboard --logdir runs --bind_all --port 6006
 
+.PHONY: report
+report: setup  ## plot and compare runs: RUNS="runs/a runs/b" [OUT=dir] (trainer report)
+	@test -n "$(RUNS)" || { echo 'make report: name the runs: make report RUNS="runs/a runs/b"' >&2; exit 2; }
+	$(BIN)/trainer report $(RUNS) $(if $(OUT),-o $(OUT))
+
 lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway venv)
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/python -m pip install --quiet '.[$(EXTRAS)]'

@@ -194,15 +194,38 @@ def test_checkpoints_cross_between_strategies(runs, tmp_path, saved_by, resumed_
 def test_a_corrupt_shard_falls_back_to_the_previous_checkpoint(runs, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(runs(2, "fsdp", *GPT) / "checkpoints", run_dir / "checkpoints")
-    shutil.rmtree(run_dir / "checkpoints" / "step-000000012")
-    shard = run_dir / "checkpoints" / "step-000000006" / "dcp" / "__1_0.distcp"
+    shard = run_dir / "checkpoints" / "step-000000012" / "dcp" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])  # a truncated write from rank 1
-    p = trainer(
-        "train", *GPT, "dist.strategy=fsdp", "train.max_steps=6", f"run_dir={run_dir}", nproc=2
-    )
-    assert "step-000000006 is corrupt (dcp/__1_0.distcp does not match its sha256" in p.stdout
-    assert sorted(train_losses(run_dir)) == list(range(1, 7))  # started over: nothing older
+    p = trainer("train", *GPT, "dist.strategy=fsdp", f"run_dir={run_dir}", nproc=2)
+    assert "step-000000012 is corrupt (dcp/__1_0.distcp does not match its sha256" in p.stdout
+    assert "resumed from" in p.stdout and "step-000000006" in p.stdout
+    assert sorted(train_losses(run_dir)) == list(range(7, 13))  # continued after step 6
     assert "step-000000006" in checkpoints(run_dir)
+
+
+def test_damaged_shards_in_every_checkpoint_stop_the_run_and_keep_them(runs, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs(2, "fsdp", *GPT) / "checkpoints", run_dir / "checkpoints")
+    for step in ("step-000000006", "step-000000012"):
+        shard = run_dir / "checkpoints" / step / "dcp" / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-10])
+    before = {f: f.read_bytes() for f in (run_dir / "checkpoints").rglob("*") if f.is_file()}
+    status = tmp_path / "status"
+    status.mkdir()
+    p = trainer(
+        "train",
+        *GPT,
+        "dist.strategy=fsdp",
+        f"run_dir={run_dir}",
+        nproc=2,
+        check=False,
+        extra_env={"TRAINER_STATUS_DIR": str(status)},
+    )
+    assert p.returncode != 0 and "no checkpoint in" in p.stderr and "verifies" in p.stderr
+    assert {f.read_text().strip() for f in status.iterdir()} == {"2"}  # every rank: exit 2
+    assert before == {
+        f: f.read_bytes() for f in (run_dir / "checkpoints").rglob("*") if f.is_file()
+    }
 
 
 def test_export_of_a_sharded_checkpoint_loads_with_safetensors_alone(runs, tmp_path):

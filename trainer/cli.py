@@ -16,7 +16,7 @@ EXIT_CODES = """exit codes:
   4  transient failure (peer lost, timeout, I/O); a retry may succeed"""
 
 
-COMMANDS = ("train", "eval", "export", "doctor", "config")
+COMMANDS = ("train", "eval", "export", "doctor", "config", "report")
 """The subcommands (trainer-launch runs `train` under torchrun and the others once)."""
 
 
@@ -104,6 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_args(p)
     p.set_defaults(func=_cmd_config)
+
+    p = sub.add_parser(
+        "report",
+        help="plot runs' metrics (overlaid) and compare them in a Markdown table",
+        description="Read each RUN_DIR's metrics.jsonl, summary.json and run.json; write one PNG "
+        "per quantity (train loss, each eval metric, lr, throughput, ...) with every run "
+        "overlaid, and report.md: a row per run, throughput relative to the first run.",
+    )
+    p.add_argument(
+        "runs", nargs="+", metavar="RUN_DIR", help="run directories (the first is the baseline)"
+    )
+    p.add_argument(
+        "-o", "--out", metavar="OUT_DIR", help="output folder (default: FIRST_RUN_DIR/report)"
+    )
+    p.set_defaults(func=_cmd_report)
     return parser
 
 
@@ -189,6 +204,14 @@ def _cmd_config(args) -> int:
         if args.world_size is not None:
             config.check_world_size(cfg, args.world_size)
         print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
+    return ExitCode.OK
+
+
+def _cmd_report(args) -> int:
+    from trainer.report import write_report
+
+    for path in write_report(args.runs, args.out, note=lambda n: print(n, file=sys.stderr)):
+        print(path)
     return ExitCode.OK
 
 

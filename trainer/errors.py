@@ -132,3 +132,36 @@ def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
+
+
+def is_permanent_io(e: BaseException) -> bool:
+    """Whether an OSError is the path's fault, so a retry cannot help: no permission, read-only
+    file system, a parent that is a file, a path that cannot be created (under /proc, /sys).
+
+    Anything else (ENOSPC, EDQUOT, EIO, ESTALE, a timeout) may clear up: transient.
+    """
+    import errno
+
+    return isinstance(e, OSError) and e.errno in {
+        errno.EACCES,
+        errno.EPERM,
+        errno.EROFS,
+        errno.ENOTDIR,
+        errno.EISDIR,
+        errno.EEXIST,
+        errno.ENOENT,
+        errno.ENAMETOOLONG,
+        errno.ELOOP,
+        errno.EINVAL,
+        errno.EOPNOTSUPP,
+    }
+
+
+def io_error(e: OSError, what: str, fix: str) -> TrainerError:
+    """One line for an OSError writing `what`: a UsageError (exit 2) naming `fix` when the path is
+    at fault, else a RetryableError (exit 4)."""
+    reason = e.strerror or first_line(e)
+    where = f" ({e.filename})" if getattr(e, "filename", None) else ""
+    if is_permanent_io(e):
+        return UsageError(f"{what}: {reason}{where}: {fix}")
+    return RetryableError(f"{what}: {reason}{where}; a retry may succeed once that clears")

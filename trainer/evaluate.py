@@ -87,5 +87,5 @@ def evaluate_saved(cfg: Config, src: str) -> dict:
     with ranks.process_group(world, cfg.dist.timeout_s):
         spec = data.build(cfg.data, cfg.seed)
         model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task)
-        load_weights_into(model, src)
+        load_weights_into(model, src, model_cfg=cfg.model)
         return evaluate(model.to(world.device), spec, world, cfg.data.eval_batch_size)

@@ -14,7 +14,7 @@ import torch
 
 from trainer import data, perf, ranks
 from trainer.config import CkptConfig, TrainConfig
-from trainer.errors import Preempted
+from trainer.errors import Preempted, TrainerError, first_line, io_error
 from trainer.evaluate import evaluate
 from trainer.signals import StopVote
 
@@ -130,6 +130,7 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> None:
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
     run.log.record(record)
+    check_log(run, clock)
 
 
 def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
@@ -161,6 +162,35 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
         run.log.record(
             {"kind": "eval", "step": run.state.step, "epoch": run.state.epoch, **metrics}
         )
+    check_log(run, clock)
+
+
+def check_log(run: Run, clock: TrainClock) -> None:
+    """After a metrics record (rank 0 writes it): if the write failed, every rank learns it,
+    the run saves a checkpoint of where it is, and stops in one line: exit 4 for a full disk or
+    an I/O error (rerunning resumes), 2 for a run_dir that cannot be written at all."""
+    failed = run.log.write_error if run.world.is_main else None
+    failed = ranks.broadcast_object(
+        None if failed is None else (failed.errno, failed.strerror or str(failed), failed.filename)
+    )
+    if failed is None:
+        return
+    error = OSError(*failed)
+    step = run.state.step
+    if run.ckpt.last_saved_step == step:
+        note = f"checkpoint at step {step} already saved"
+    else:
+        try:
+            note = (
+                f"checkpoint {_save(run, clock, 'metrics write failed', must_succeed=True)} saved"
+            )
+        except TrainerError as e:
+            note = f"the checkpoint save failed too: {first_line(e)}"
+    raise io_error(
+        error,
+        f"metrics.jsonl in {run.run_dir} could not be written ({note})",
+        "point run_dir at writable storage",
+    )
 
 
 def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = False) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -111,6 +112,9 @@ class RunLogger:
         self.total = total_steps
         self._jsonl = None
         self._tb = None
+        self.write_error: OSError | None = None
+        """The first OSError writing metrics.jsonl (full disk, I/O error): recorded, not raised,
+        so the loop can agree on it across ranks and save before stopping (loop.check_log)."""
         self._last_draw = 0.0
         self._bar_open = False
 
@@ -132,8 +136,11 @@ class RunLogger:
             return
         record = {**record, "time": time.time()}
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+            try:
+                self._jsonl.write(json.dumps(record) + "\n")
+                self._jsonl.flush()
+            except OSError as e:
+                self._abandon_jsonl(e)
         if self._tb is not None:
             for key, value in record.items():
                 if key in ("kind", "step", "epoch", "time", "eval.count") or not isinstance(
@@ -180,12 +187,23 @@ class RunLogger:
             self._bar_open = False
         print(text, file=self.stream, flush=True)
 
+    def _abandon_jsonl(self, e: OSError) -> None:
+        """Stop writing metrics.jsonl after an error; a resume truncates any half-written line."""
+        if self.write_error is None:
+            self.write_error = e
+        jsonl, self._jsonl = self._jsonl, None
+        with contextlib.suppress(OSError):
+            jsonl.close()  # may fail again flushing what is left in its buffer
+
     def close(self) -> None:
         if self._bar_open:
             self.stream.write("\n")
             self._bar_open = False
         if self._jsonl is not None:
-            self._jsonl.close()
+            try:
+                self._jsonl.close()
+            except OSError as e:
+                self.write_error = self.write_error or e
             self._jsonl = None
         if self._tb is not None:
             self._tb.close()

@@ -190,6 +190,8 @@ def verify(path: str) -> None:
             lines = [line.split() for line in f if line.strip()]
     except OSError as e:
         raise CorruptCheckpoint(f"no readable {MANIFEST} ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise CorruptCheckpoint(f"{MANIFEST} is not text (non-UTF-8 bytes)") from None
     entries = {}
     for parts in lines:
         if len(parts) != 2:
@@ -207,9 +209,12 @@ def verify(path: str) -> None:
             raise CorruptCheckpoint(f"{name} does not match its sha256 (truncated or altered)")
 
 
-def latest_valid(root: str, warn: Callable[[str], None] | None = None) -> str | None:
-    """The newest checkpoint under root that verifies; corrupt newer ones are reported, skipped."""
+def latest_valid(root: str, warn: Callable[[str], None] | None = None, skip=()) -> str | None:
+    """The newest checkpoint under root that verifies; corrupt newer ones are reported, skipped
+    (and so are those in `skip`: found damaged on loading)."""
     for _, path in list_checkpoints(root):
+        if path in skip:
+            continue
         try:
             verify(path)
             return path
@@ -219,9 +224,11 @@ def latest_valid(root: str, warn: Callable[[str], None] | None = None) -> str | 
     return None
 
 
-def latest_in(folder: str, warn: Callable[[str], None] | None = None) -> str | None:
+def latest_in(folder: str, warn: Callable[[str], None] | None = None, skip=()) -> str | None:
     """The newest valid checkpoint in a checkpoints folder or in a run directory's checkpoints/."""
-    return latest_valid(folder, warn) or latest_valid(os.path.join(folder, "checkpoints"), warn)
+    return latest_valid(folder, warn, skip) or latest_valid(
+        os.path.join(folder, "checkpoints"), warn, skip
+    )
 
 
 def write(
@@ -255,8 +262,14 @@ def seal(tmp: str, *, extra: dict, meta: dict, config_yaml: str) -> None:
         json.dump(meta, f, indent=2, sort_keys=True)
     with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
         f.write(config_yaml)
-    lines = [f"{_sha256(os.path.join(tmp, rel))}  {rel}\n" for rel in files_under(tmp)]
-    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+    write_manifest(tmp)
+
+
+def write_manifest(folder: str) -> None:
+    """MANIFEST.sha256: the sha256 of every other file below `folder` (written last)."""
+    rels = [rel for rel in files_under(folder) if rel != MANIFEST]
+    lines = [f"{_sha256(os.path.join(folder, rel))}  {rel}\n" for rel in rels]
+    with open(os.path.join(folder, MANIFEST), "w", encoding="utf-8") as f:
         f.writelines(lines)
 
 
@@ -268,8 +281,10 @@ def read(path: str) -> dict:
             meta = json.load(f)
         with open(os.path.join(path, "config.yaml"), encoding="utf-8") as f:
             config_yaml = f.read()
-    except (OSError, ValueError) as e:
-        raise UsageError(f"{path}: unreadable checkpoint ({e})") from None
+    except (OSError, ValueError) as e:  # ValueError: bad JSON, or bytes that are not UTF-8
+        raise CorruptCheckpoint(
+            f"meta.json or config.yaml is unreadable ({first_line(e)})"
+        ) from None
     payload = {
         "extra": torch_load(os.path.join(path, "state.pt")),
         "meta": meta,
@@ -278,7 +293,104 @@ def read(path: str) -> dict:
     if not is_sharded(path):
         payload["model"] = read_safetensors(os.path.join(path, "model.safetensors"))
         payload["optimizer"] = torch_load(os.path.join(path, "optimizer.pt"))
+    check_payload(payload)
     return payload
+
+
+LOOP_KEYS = ("epoch", "step", "step_in_epoch", "samples_seen")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _rng_problem(state) -> str | None:
+    """What is wrong with one rank's saved RNG states (repro.rng_state's layout), or None."""
+    if not isinstance(state, dict):
+        return f"is a {type(state).__name__}, not a dict"
+    torch_state = state.get("torch")
+    expected = torch.get_rng_state()
+    if (
+        not isinstance(torch_state, torch.Tensor)
+        or torch_state.dtype != expected.dtype
+        or torch_state.shape != expected.shape
+    ):
+        return f"'torch' is not a {expected.dtype} tensor of shape {tuple(expected.shape)}"
+    n = state.get("numpy")
+    if (
+        not isinstance(n, dict)
+        or not isinstance(n.get("keys"), torch.Tensor)
+        or n["keys"].dtype != torch.int64
+        or tuple(n["keys"].shape) != (624,)
+        or not _is_int(n.get("pos"))
+        or not 0 <= n["pos"] <= 624
+        or not _is_int(n.get("has_gauss"))
+        or not _is_number(n.get("cached_gaussian"))
+    ):
+        return "'numpy' is not a MT19937 state (624 int64 keys, pos, has_gauss, cached_gaussian)"
+    py = state.get("python")
+    if not isinstance(py, list) or len(py) != 625 or not all(_is_int(v) for v in py):
+        return "'python' is not a list of 625 ints"
+    cuda = state.get("cuda")
+    if cuda is not None and (not isinstance(cuda, torch.Tensor) or cuda.dtype != torch.uint8):
+        return "'cuda' is not a uint8 tensor"
+    return None
+
+
+def check_payload(payload: dict) -> None:
+    """Raise CorruptCheckpoint naming the file and what is wrong when a checkpoint that verifies
+    does not hold what a resume needs (a checkpoint edited and re-sealed, or from another tool)."""
+    meta = payload["meta"]
+    if not isinstance(meta, dict):
+        raise CorruptCheckpoint(f"meta.json holds a {type(meta).__name__}, not an object")
+    loop = meta.get("loop")
+    if not isinstance(loop, dict):
+        raise CorruptCheckpoint(f"meta.json: 'loop' is {type(loop).__name__}, not an object")
+    if sorted(loop) != sorted(LOOP_KEYS) or not all(_is_int(v) and v >= 0 for v in loop.values()):
+        raise CorruptCheckpoint(
+            f"meta.json: 'loop' must hold the non-negative integers {', '.join(LOOP_KEYS)} "
+            f"(it holds {loop!r:.120})"
+        )
+    results = meta.get("results", {})
+    if (
+        not isinstance(results, dict)
+        or not isinstance(results.get("train", {}), dict)
+        or not isinstance(results.get("eval", {}), dict)
+        or not _is_number(results.get("train_time_s", 0.0))
+    ):
+        raise CorruptCheckpoint("meta.json: 'results' is not {train: {...}, eval: {...}, ...}")
+    extra = payload["extra"]
+    if not isinstance(extra, dict):
+        raise CorruptCheckpoint(f"state.pt holds a {type(extra).__name__}, not a dict")
+    for key in ("scheduler", "scaler"):
+        if not isinstance(extra.get(key, {} if key == "scaler" else None), dict):
+            raise CorruptCheckpoint(f"state.pt: '{key}' is missing or not a dict")
+    rngs = extra.get("rng")
+    if not isinstance(rngs, list) or not rngs:
+        raise CorruptCheckpoint("state.pt: 'rng' is not a list of every rank's RNG states")
+    for rank, state in enumerate(rngs):
+        problem = _rng_problem(state)
+        if problem:
+            raise CorruptCheckpoint(f"state.pt: rank {rank}'s RNG state {problem}")
+    if "optimizer" in payload:
+        opt = payload["optimizer"]
+        if (
+            not isinstance(opt, dict)
+            or not isinstance(opt.get("state"), dict)
+            or not isinstance(opt.get("param_groups"), list)
+            or not all(
+                isinstance(g, dict) and isinstance(g.get("params"), list)
+                for g in opt["param_groups"]
+            )
+        ):
+            raise CorruptCheckpoint(
+                "optimizer.pt is not an optimizer state_dict ({'state': ..., 'param_groups': "
+                "[{'params': [...], ...}]})"
+            )
 
 
 def prune(root: str, keep_last: int) -> list[str]:
@@ -309,6 +421,17 @@ def remove_stale_temporaries(root: str) -> None:
             os.rename(path, final)
         else:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def root_cause(e: BaseException) -> BaseException:
+    """The exception behind an error: the first rank's inside DCP's CheckpointException."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        _, cause = sorted(failures.items())[0]
+        inner = cause[0] if isinstance(cause, tuple) else cause
+        if isinstance(inner, BaseException):
+            return inner
+    return e
 
 
 def describe_error(e: BaseException) -> str:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from trainer.checkpoint import store
-from trainer.errors import UsageError
+from trainer.errors import UsageError, io_error
 from trainer.strategy import Strategy, unwrap
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -87,9 +87,14 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return strip_prefixes(state)
 
 
-def load_weights_into(model: nn.Module, path: str, strategy: Strategy | None = None) -> None:
+def load_weights_into(
+    model: nn.Module, path: str, strategy: Strategy | None = None, model_cfg=None
+) -> None:
     """Load weights (any prefix, any device of origin, any saving strategy) into `model`,
-    strictly: every name and every shape must match."""
+    strictly: every name and every shape must match, and every value must be finite.
+
+    `model_cfg` (the ModelConfig that built `model`) lets a mismatch name the config key that
+    differs from the config saved with the weights."""
     state = read_weights(path)
     expected = unwrap(model).state_dict()
     missing, unexpected = (
@@ -99,15 +104,70 @@ def load_weights_into(model: nn.Module, path: str, strategy: Strategy | None = N
     if missing or unexpected:
         raise UsageError(
             f"{path}: weights do not fit model (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}): check model.* matches the run that saved them"
+            f"{unexpected[:5]}): {config_hint(path, model_cfg)}"
         )
     for name, tensor in expected.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
             raise UsageError(
                 f"{path}: weights do not fit model ({name} has shape {tuple(state[name].shape)} "
-                f"there, {tuple(tensor.shape)} here): check model.* matches the run that saved them"
+                f"there, {tuple(tensor.shape)} here): {config_hint(path, model_cfg)}"
             )
+    bad = [n for n, t in state.items() if t.is_floating_point() and not bool(t.isfinite().all())]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise UsageError(
+            f"{path}: the weights hold NaN/inf values ({bad[0]}{more}): the run that saved them "
+            "diverged; use an earlier checkpoint (RUN/checkpoints/step-N)"
+        )
     (strategy or Strategy()).load_state_dict(model, state)
+
+
+_LIKELY_KEY = {
+    "mlp": "model.hidden",
+    "gpt": "model.gpt.* (width, layers, heads, context)",
+    "lenet": "model.num_classes / model.in_channels / data.name",
+    "resnet18": "model.num_classes / model.in_channels / data.name",
+    "vgg11": "model.num_classes / model.in_channels / data.name",
+}
+
+
+def _flat(d: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_hint(path: str, model_cfg=None) -> str:
+    """The config key(s) most likely to make weights at `path` fit: the model.* values that
+    differ from the config saved with them, else the shape-setting key of this model family."""
+    if model_cfg is None:
+        return "check model.* matches the run that saved them"
+    from omegaconf import OmegaConf
+
+    here = _flat(OmegaConf.to_container(OmegaConf.structured(model_cfg)), "model.")
+    saved_path = find_config(path)
+    saved = None
+    if saved_path:
+        try:
+            saved = OmegaConf.to_container(OmegaConf.load(saved_path)).get("model")
+        except Exception:  # an unreadable config.yaml only costs the hint its precision
+            saved = None
+    if isinstance(saved, dict):
+        there = _flat(saved, "model.")
+        diffs = [
+            f"{k} ({there.get(k)!r} in {saved_path}, {here.get(k)!r} here)"
+            for k in sorted(there.keys() | here.keys())
+            if there.get(k) != here.get(k)
+        ]
+        if diffs:
+            return f"likely config key {'; '.join(diffs[:3])}: set it as the saving run did"
+    name = str(here.get("model.name"))
+    key = _LIKELY_KEY.get(name, "model.kwargs (the factory's arguments)")
+    return f"check {key} matches the run that saved them"
 
 
 def find_config(src: str) -> str | None:
@@ -124,18 +184,46 @@ def export(src: str, out: str | None = None) -> str:
     """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict."""
     from safetensors.torch import save_file
 
-    state = read_weights(src)
     if out is None:
         out = (
             os.path.join(src, "export")
             if os.path.isdir(src)
             else os.path.splitext(src)[0] + "-export"
         )
+    _check_out(out)  # before reading: a bad -o fails at once
+    state = read_weights(src)
     config = find_config(src)
-    with store.atomic_dir(out) as tmp:
-        save_file(
-            {k: v.contiguous() for k, v in state.items()}, os.path.join(tmp, "model.safetensors")
-        )
-        if config:
-            shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
+    try:
+        with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
+            save_file(
+                {k: v.contiguous() for k, v in state.items()},
+                os.path.join(tmp, "model.safetensors"),
+            )
+            if config:
+                shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
+    except OSError as e:
+        raise io_error(e, f"export -o {out}", "name a directory on writable storage") from None
     return os.path.join(out, "model.safetensors")
+
+
+EXPORTED = {"model.safetensors", "config.yaml"}
+
+
+def _check_out(out: str) -> None:
+    """`out` is a directory export may create or replace: its parent exists and is a directory,
+    and it is absent, empty, or an earlier export (only what export writes). Anything else
+    would be lost when the new export replaces it."""
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        if os.path.exists(parent):
+            raise UsageError(f"export -o {out}: {parent} is a file, not a folder: fix the path")
+        raise UsageError(f"export -o {out}: the folder {parent} does not exist: create it first")
+    if os.path.isdir(out):
+        other = sorted(set(os.listdir(out)) - EXPORTED)
+        if other:
+            raise UsageError(
+                f"export -o {out}: a folder that holds other files ({', '.join(other[:3])}) would "
+                "be replaced: name a new directory (or an earlier export's)"
+            )
+    elif os.path.lexists(out):
+        raise UsageError(f"export -o {out}: is a file, not a directory: name a new directory")
