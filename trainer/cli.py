@@ -186,8 +186,9 @@ def _cmd_config(args) -> int:
     if args.action == "show":
         print(config.to_yaml(cfg), end="")
     else:
-        if args.world_size is not None:
-            config.check_world_size(cfg, args.world_size)
+        world_size = 1 if args.world_size is None else args.world_size
+        config.check_world_size(cfg, world_size)
+        config.resolve_strategy(cfg, world_size)
         print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
     return ExitCode.OK
 

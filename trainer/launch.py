@@ -428,9 +428,10 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         probe=probe_route,
     )
     if cfg is not None and plan.world_size:
-        from trainer.config import check_world_size
+        from trainer.config import check_world_size, resolve_strategy
 
         check_world_size(cfg, plan.world_size)  # exit 2 here, not one failed rank per process
+        resolve_strategy(cfg, plan.world_size)
     if dry_run:
         print(f"# {plan.summary}")
         if plan.child:
