@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trainer.errors import ExitCode, TrainerError, UsageError, record_exit
+from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, record_message
 
 EXIT_CODES = """exit codes:
   0  done
@@ -228,5 +228,7 @@ def _main(argv: list[str] | None) -> int:
         # Config errors are the same on every rank: rank 0 reports. Others may differ per rank.
         if _is_rank0() or e.every_rank:
             rank = "" if _is_rank0() else f"[rank {os.environ.get('RANK')}] "
-            print(f"trainer: error: {rank}{e}", file=sys.stderr, flush=True)
+            line = f"trainer: error: {rank}{e}"
+            print(line, file=sys.stderr, flush=True)
+            record_message(line)
         return int(e.exit_code)
