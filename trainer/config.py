@@ -6,6 +6,7 @@ Every field has a default and a docstring; `__post_init__` checks values and say
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -558,12 +559,12 @@ def _read_yaml(text: str, source: str):
     kind = _yaml_kind(text)
     if kind == "empty":
         raise UsageError(
-            f"{source}: the file has no config keys: put some in it (e.g. `optim:\n  lr: 0.01`), "
+            f"{source}: the file has no config keys: put some in it (e.g. `optim: {{lr: 0.01}}`), "
             "or leave --config out"
         )
     if kind not in ("mapping", "?"):
         raise UsageError(
-            f"{source}: must be a YAML mapping of config keys (like `optim:\n  lr: 0.01`), "
+            f"{source}: must be a YAML mapping of config keys (like `optim: {{lr: 0.01}}`), "
             f"not a single {kind}"
         )
     try:
@@ -645,6 +646,27 @@ def _layer_for(config: str | None, seen: tuple[str, ...] = ()):
     return [*layers, (config, node)]
 
 
+_BOOLS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _bool_keys() -> frozenset[str]:
+    """Dotted keys of the schema's bool fields (OmegaConf would take `2` for true)."""
+    import dataclasses
+    import typing
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, f"{prefix}{f.name}.")
+            elif t is bool:
+                yield f"{prefix}{f.name}"
+
+    return frozenset(walk(Config, ""))
+
+
 _KEY = re.compile(r"^[A-Za-z_][\w-]*(\[\d+\])?(\.[A-Za-z_][\w-]*(\[\d+\])?)*$")
 
 
@@ -697,6 +719,11 @@ def _cli_layer(overrides: list[str]):
         if not _KEY.match(key):
             raise UsageError(
                 f"override '{shown}': '{key}' is not a dotted key like optim.lr{_suggest(key)}"
+            )
+        if key in _bool_keys() and value.strip().lower() not in _BOOLS:
+            raise UsageError(
+                f"command line: {key}: '{_printable(value)}' is not true or false "
+                f"(e.g. {_example(key)})"
             )
         if _printable(value) != value:
             raise UsageError(
@@ -794,12 +821,12 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(Config)
+    schema = _schema()
     merged = schema
     for source, layer in [*_layer_for(config), *_cli_layer(list(overrides))]:
         try:
             merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
+        except (OmegaConfBaseException, TypeError, ValueError) as e:  # TypeError: list <- dict
             raise _merge_error(e, schema, source, _culprit(schema, layer)) from None
     try:
         OmegaConf.resolve(merged)
@@ -811,6 +838,14 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     return cfg
 
 
+@functools.lru_cache(maxsize=1)
+def _schema():
+    """The structured schema (built once: merges copy it, never change it)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(Config)
+
+
 def _culprit(schema, layer):
     """The top-level section of `layer` whose merge fails (a layer of that key alone)."""
     from omegaconf import OmegaConf
@@ -820,7 +855,7 @@ def _culprit(schema, layer):
         part = OmegaConf.create({name: layer._get_node(name)})
         try:
             OmegaConf.merge(schema, part)
-        except OmegaConfBaseException:
+        except (OmegaConfBaseException, TypeError, ValueError):
             return part
     return layer
 
