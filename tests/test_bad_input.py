@@ -287,6 +287,24 @@ def build_cases(folder) -> list[Case]:
     ]
 
 
+LAUNCH = [
+    ({}, ["dist.strategy=dp"], "dist.strategy"),
+    ({}, ["dist.strategy=none"], "dist.strategy"),
+    ({}, ["dist.strategy=fsdp", "model.sync_bn=true"], "model.sync_bn"),
+    ({}, ["data.global_batch_size=3"], "data.global_batch_size"),
+    ({}, ["optim.lr=nan"], "optim.lr"),
+    ({}, [".lr=1"], ".lr"),
+    ({"NPROC_PER_NODE": "abc"}, [], "NPROC_PER_NODE"),
+    ({"NPROC_PER_NODE": "-2"}, [], "NPROC_PER_NODE"),
+    ({"NNODES": "0"}, [], "NNODES"),
+    ({"MASTER_PORT": "99999", "NNODES": "2", "MASTER_ADDR": "h"}, [], "MASTER_PORT"),
+    ({"MAX_RESTARTS": "-1"}, [], "MAX_RESTARTS"),
+    ({"OMP_NUM_THREADS": "abc"}, [], "OMP_NUM_THREADS"),
+    ({"TRAIN_ARGS": "optim.lr='unclosed"}, [], "TRAIN_ARGS"),
+]
+"""trainer-launch --dry-run on a 2-process node: (environment, arguments, what to name)."""
+
+
 def all_cases(folder) -> list[Case]:
     cases = [
         *field_cases(),
@@ -310,11 +328,11 @@ class Outcome:
     stderr: str
 
 
-def run_in_process(argv) -> Outcome:
+def run_in_process(argv, main=cli.main) -> Outcome:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            code = cli.main(list(argv))
+            code = main(list(argv))
         except SystemExit as e:  # argparse: main() records and re-raises it, as the script does
             code = e.code if isinstance(e.code, int) else 1
         except BaseException:  # a bug: what the console script would show
@@ -411,6 +429,22 @@ def test_generated_bad_inputs_exit_2_with_one_line(clean_env, capsys):
         )
     assert len(cases) >= 300
     assert not failed, "\n".join(line for lines in failures.values() for line in lines)
+
+
+def test_trainer_launch_refuses_bad_input_before_torchrun(clean_env, monkeypatch):
+    from trainer import launch
+
+    failures = []
+    for extra, args, names in LAUNCH:
+        with monkeypatch.context() as m:
+            m.setenv("NPROC_PER_NODE", "2")
+            for name, value in extra.items():
+                m.setenv(name, value)
+            o = run_in_process(["--dry-run", *args], main=launch.main)
+        case = Case("launch", ("trainer-launch", *args), names)
+        if found := problems(case, o):
+            failures.append(f"{extra} {args}: {found}")
+    assert not failures, "\n".join(failures)
 
 
 def test_a_sample_behaves_the_same_as_a_subprocess(clean_env):
