@@ -11,7 +11,8 @@ from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, reco
 EXIT_CODES = """exit codes:
   0  done
   1  unexpected error (a bug: the traceback is printed)
-  2  bad config, environment, data or checkpoint (one line says what to fix; do not retry)
+  2  bad config, environment, data or checkpoint, or a run whose loss went NaN/inf (one line
+     says what to fix; do not retry)
   3  stopped by SIGTERM/SIGINT after saving a checkpoint (rerun the same command to resume)
   4  transient failure (peer lost, timeout, I/O); a retry may succeed"""
 
