@@ -34,7 +34,7 @@ class Range:
 
     def __contains__(self, value: float) -> bool:
         if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
-            return False  # no range here includes an infinity
+            return False  # no range here includes NaN or an infinity
         above = value > self.lo if self.lo_open else value >= self.lo
         below = value < self.hi if self.hi_open else value <= self.hi
         return above and below
@@ -128,7 +128,7 @@ def _example(key: str) -> str:
 
 
 def range_hint(key: str) -> str:
-    """' (a number in [lo, hi], e.g. key=default)' for a key of RANGES, else ''."""
+    """' (needs a number >= lo and <= hi, e.g. key=default)' for a key of RANGES, else ''."""
     key = re.sub(r"\[\d+\]$", "", key)
     if key not in RANGES:
         return ""
