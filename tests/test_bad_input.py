@@ -538,3 +538,43 @@ def test_trainer_launch_ends_with_the_ranks_one_line_once(tmp_path):
     assert f"{tmp_path}/no-such-root" in lines[-1]
     assert sum("MNIST not found" in line for line in lines) == 1, p.stderr
     assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr
+
+
+TORCHRUN_TAIL = [
+    b"W1123 11:55:25.303000 8420 torch/distributed/elastic/multiprocessing/api.py:1028] Sending "
+    b"process 8489 closing signal SIGTERM\n",
+    b"E1123 11:55:25.523000 8420 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+    b"(exitcode: 2) local_rank: 0 (pid: 8488) of binary: python\n",
+    b"Traceback (most recent call last):\n",
+    b'  File "torch/distributed/run.py", line 1142, in <module>\n',
+    b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+    b"============================================================\n",
+]
+
+
+@pytest.mark.parametrize("message", [True, False])
+def test_the_launchers_stderr_filter(message):
+    from trainer.launch import StderrFilter
+
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, encoding="utf-8")
+    f = StderrFilter(stream)
+    for raw in [
+        b"epoch 1 step 3 loss 0.5\n",
+        b"trainer: error: [rank 1] data.root: no such folder\n",
+        b"trainer: error: data.root: no such folder\n",
+        b"trainer: error: [rank 3] disk full on /tmp\n",
+        *TORCHRUN_TAIL,
+    ]:
+        f.feed(raw)
+    f.finish("trainer: error: data.root: no such folder" if message else None)
+    stream.flush()
+    lines = out.getvalue().decode().splitlines()
+    if message:  # the line last, once; a different rank's line kept; torchrun's report dropped
+        assert lines == [
+            "epoch 1 step 3 loss 0.5",
+            "trainer: error: [rank 3] disk full on /tmp",
+            "trainer: error: data.root: no such folder",
+        ]
+    else:  # no rank left a line (a crash): everything, nothing dropped
+        assert len(lines) == 4 + len(TORCHRUN_TAIL) and lines[-1].startswith("=====")

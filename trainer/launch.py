@@ -18,6 +18,7 @@ them to the workers.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -369,8 +370,6 @@ class StderrFilter:
     the traceback torchrun prints after a worker failed. `finish(line)`: with a rank's line, drop
     what was held and print that line last; without one, print everything held, in order."""
 
-    import re
-
     AGENT = re.compile(rb"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
     FAILED = re.compile(rb"failed \(exitcode: ")
 
@@ -412,9 +411,22 @@ class StderrFilter:
             return
         self.done = True
         if line is not None:
-            self._write((line + "\n").encode("utf-8", "backslashreplace"))
+            # Other ranks' lines that say something else are kept, above it; copies are not.
+            chosen = self._unranked(line.encode("utf-8", "backslashreplace"))
+            others: list[bytes] = []
+            for raw in self.errors:
+                if self._unranked(raw) != chosen and self._unranked(raw) not in map(
+                    self._unranked, others
+                ):
+                    others.append(raw)
+            self._write(*others, (line + "\n").encode("utf-8", "backslashreplace"))
             return
         self._write(*self.errors, *self.held)
+
+    RANK = re.compile(rb"^trainer: error: \[rank \d+\] ")
+
+    def _unranked(self, raw: bytes) -> bytes:
+        return self.RANK.sub(b"trainer: error: ", raw.rstrip(b"\r\n"))
 
 
 def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
