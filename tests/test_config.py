@@ -148,7 +148,7 @@ def test_importing_the_package_does_no_work():
 
 
 def test_each_rank_leaves_its_exit_code_for_the_launcher(tmp_path):
-    from trainer.errors import node_exit_code
+    from trainer.errors import node_exit_code, node_message
 
     for rank, args in (("0", ["config", "check", "optim.lrr=1"]), ("1", ["train", "--bogus"])):
         p = subprocess.run(
@@ -162,9 +162,12 @@ def test_each_rank_leaves_its_exit_code_for_the_launcher(tmp_path):
         assert p.returncode == 2
     assert sorted(f.name for f in tmp_path.iterdir()) == [
         "attempt-2.rank-0.exit",
+        "attempt-2.rank-0.msg",  # the line it printed, for trainer-launch to print last, once
         "attempt-2.rank-1.exit",
     ]
     assert node_exit_code(str(tmp_path), 1) == 2
+    assert node_message(str(tmp_path), 2).startswith("trainer: error: command line: unknown key")
+    assert node_message(str(tmp_path), 4) is None
     assert node_exit_code(str(tmp_path / "missing"), 1) == 1
 
 

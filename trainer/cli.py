@@ -6,12 +6,13 @@ import argparse
 import os
 import sys
 
-from trainer.errors import ExitCode, TrainerError, UsageError, record_exit
+from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, record_message
 
 EXIT_CODES = """exit codes:
   0  done
   1  unexpected error (a bug: the traceback is printed)
-  2  bad config, environment, data or checkpoint (one line says what to fix; do not retry)
+  2  bad config, environment, data or checkpoint, or a run whose loss went NaN/inf (one line
+     says what to fix; do not retry)
   3  stopped by SIGTERM/SIGINT after saving a checkpoint (rerun the same command to resume)
   4  transient failure (peer lost, timeout, I/O); a retry may succeed"""
 
@@ -201,8 +202,9 @@ def _cmd_config(args) -> int:
     if args.action == "show":
         print(config.to_yaml(cfg), end="")
     else:
-        if args.world_size is not None:
-            config.check_world_size(cfg, args.world_size)
+        world_size = 1 if args.world_size is None else args.world_size
+        config.check_world_size(cfg, world_size)
+        config.resolve_strategy(cfg, world_size)
         print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
     return ExitCode.OK
 
@@ -250,5 +252,7 @@ def _main(argv: list[str] | None) -> int:
         # Config errors are the same on every rank: rank 0 reports. Others may differ per rank.
         if _is_rank0() or e.every_rank:
             rank = "" if _is_rank0() else f"[rank {os.environ.get('RANK')}] "
-            print(f"trainer: error: {rank}{e}", file=sys.stderr, flush=True)
+            line = f"trainer: error: {rank}{e}"
+            print(line, file=sys.stderr, flush=True)
+            record_message(line)
         return int(e.exit_code)

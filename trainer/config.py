@@ -6,7 +6,10 @@ Every field has a default and a docstring; `__post_init__` checks values and say
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -16,9 +19,143 @@ from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean, 
 DEFAULT_PRESET = "digits-mlp"
 
 
-def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise UsageError(f"{key}: must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+MAX_SEED = 2**63 - 1
+"""Seeds go to torch.manual_seed and numpy's SeedSequence: non-negative 64-bit integers."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field (or each item of a numeric list) accepts; NaN never is."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+            return False  # no range here includes NaN or an infinity
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        if self.lo == 1 and isinstance(self.lo, int):
+            low = "> 0"  # a count
+        else:
+            low = f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        return f"{low} and {'<' if self.hi_open else '<='} {_num(self.hi)}"
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) and x >= 2**16:
+        if x & (x - 1) == 0:
+            return f"2**{x.bit_length() - 1}"
+        if x & (x + 1) == 0:
+            return f"2**{x.bit_length()}-1"
+        return str(x) if x < 10**9 else f"{x:.0e}"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+_STEPS = 10**12
+_BATCH = 2**24
+RANGES: dict[str, Range] = {
+    # The one table of numeric ranges: every int/float field of the schema (and of its lists)
+    # has an entry, checked in __post_init__ by _check_ranges; tests/test_bad_input.py walks it.
+    "seed": Range(0, MAX_SEED),
+    "data.synthetic.shape": Range(1, 2**16),
+    "data.synthetic.num_classes": Range(2, 10**6),
+    "data.synthetic.size": Range(1, 10**9),
+    "data.synthetic.test_size": Range(1, 10**9),
+    "data.text.seq_len": Range(1, 2**20),
+    "data.text.max_train_bytes": Range(1, 2**50),
+    "data.text.max_test_bytes": Range(1, 2**50),
+    "data.global_batch_size": Range(1, _BATCH),
+    "data.eval_batch_size": Range(1, _BATCH),
+    "data.test_fraction": Range(0.0, 1.0, lo_open=True, hi_open=True),
+    "data.split_seed": Range(0, MAX_SEED),
+    "data.crop_padding": Range(0, 1024),
+    "data.image_size": Range(1, 8192),
+    "data.num_workers": Range(0, 1024),
+    "model.gpt.layers": Range(1, 1024),
+    "model.gpt.width": Range(1, 2**16),
+    "model.gpt.heads": Range(1, 1024),
+    "model.hidden": Range(1, 2**20),
+    "model.dropout": Range(0.0, 1.0, hi_open=True),
+    "model.num_classes": Range(1, 10**7),
+    "model.in_channels": Range(1, 2**16),
+    "optim.lr": Range(0.0, 10.0, lo_open=True),
+    "optim.weight_decay": Range(0.0, 10.0),
+    "optim.momentum": Range(0.0, 1.0, hi_open=True),
+    "optim.betas": Range(0.0, 1.0, hi_open=True),
+    "sched.warmup_steps": Range(0, _STEPS),
+    "sched.step_size_epochs": Range(1, 10**6),
+    "sched.gamma": Range(0.0, 1.0, lo_open=True),
+    "sched.min_lr_ratio": Range(0.0, 1.0),
+    "sched.pct_start": Range(0.0, 1.0, lo_open=True, hi_open=True),
+    "train.epochs": Range(1, 10**6),
+    "train.max_steps": Range(1, _STEPS),
+    "train.eval_every_steps": Range(0, _STEPS),
+    "train.eval_every_epochs": Range(1, 10**6),
+    "train.fp16_init_scale": Range(1.0, 2**64),
+    "train.micro_batch_size": Range(1, _BATCH),
+    "train.clip_grad_norm": Range(0.0, 1e6, lo_open=True),
+    "dist.timeout_s": Range(1, 7 * 24 * 3600),
+    "log.every_steps": Range(1, _STEPS),
+    "ckpt.every_steps": Range(0, _STEPS),
+    "ckpt.every_epochs": Range(0, 10**6),
+    "ckpt.keep_last": Range(1, 10**6),
+    "repro.shards": Range(1, 2**16),
+}
+
+NONEMPTY = frozenset(
+    {"name", "run_dir", "data.name", "data.root", "data.text.path", "model.name", "ckpt.dir"}
+    | {"ckpt.resume", "ckpt.init_weights"}
+)
+"""String fields that must not be empty (null, where allowed, is the way to say "none")."""
+
+
+def _example(key: str) -> str:
+    """`key=<its default>`: a value the schema accepts, to show in an error."""
+    node: Any = Config()
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    if isinstance(node, list):
+        node = "[" + ",".join(map(str, node)) + "]"
+    if isinstance(node, bool):
+        node = str(node).lower()
+    return f"{key}={'null' if node is None else node}"
+
+
+def range_hint(key: str) -> str:
+    """' (needs a number >= lo and <= hi, e.g. key=default)' for a key of RANGES, else ''."""
+    key = re.sub(r"\[\d+\]$", "", key)
+    if key not in RANGES:
+        return ""
+    items = (
+        " for each item" if key in ("data.synthetic.shape", "model.hidden", "optim.betas") else ""
+    )
+    return f" (needs a number {RANGES[key]}{items}, e.g. {_example(key)})"
+
+
+def _check_ranges(obj: Any, prefix: str) -> None:
+    """Check the direct numeric and string fields of one schema dataclass against the tables."""
+    import dataclasses
+
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}{f.name}", getattr(obj, f.name)
+        if isinstance(value, str) and key in NONEMPTY and not value.strip():
+            raise UsageError(f"{key}: must not be empty; e.g. {_example(key)}")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or key not in RANGES:
+                continue
+            if v not in RANGES[key]:
+                each = " for each item" if isinstance(value, list) else ""
+                shown = repr(value) if isinstance(value, list) else str(v)
+                raise UsageError(
+                    f"{key}: must be {RANGES[key]}{each}, got {shown}; e.g. {_example(key)}"
+                )
 
 
 @dataclass(kw_only=True)
@@ -34,14 +171,9 @@ class SyntheticConfig:
     """Test samples."""
 
     def __post_init__(self) -> None:
-        if not self.shape or any(d < 1 for d in self.shape):
-            raise UsageError(
-                f"data.synthetic.shape: needs positive sizes like [3,32,32], got {self.shape}"
-            )
-        if self.num_classes < 2:
-            raise UsageError(f"data.synthetic.num_classes: must be >= 2, got {self.num_classes}")
-        _positive("data.synthetic.size", self.size)
-        _positive("data.synthetic.test_size", self.test_size)
+        if not self.shape:
+            raise UsageError("data.synthetic.shape: needs positive sizes like [3,32,32], got []")
+        _check_ranges(self, "data.synthetic.")
 
 
 @dataclass(kw_only=True)
@@ -60,11 +192,7 @@ class TextConfig:
     """Use only the first N bytes of the test split: evaluation reads all of it every time."""
 
     def __post_init__(self) -> None:
-        _positive("data.text.seq_len", self.seq_len)
-        for key in ("max_train_bytes", "max_test_bytes"):
-            value = getattr(self, key)
-            if value is not None:
-                _positive(f"data.text.{key}", value)
+        _check_ranges(self, "data.text.")
 
 
 @dataclass(kw_only=True)
@@ -116,15 +244,7 @@ class DataConfig:
     text: TextConfig = field(default_factory=TextConfig)
 
     def __post_init__(self) -> None:
-        _positive("data.global_batch_size", self.global_batch_size)
-        _positive("data.eval_batch_size", self.eval_batch_size)
-        if not 0.0 < self.test_fraction < 1.0:
-            raise UsageError(
-                f"data.test_fraction: must be between 0 and 1, got {self.test_fraction}"
-            )
-        _positive("data.crop_padding", self.crop_padding, allow_zero=True)
-        _positive("data.image_size", self.image_size)
-        _positive("data.num_workers", self.num_workers, allow_zero=True)
+        _check_ranges(self, "data.")
         if self.persistent_workers and self.num_workers == 0:
             raise UsageError(
                 "data.persistent_workers=true needs worker processes: set data.num_workers >= 1 "
@@ -147,9 +267,12 @@ class GPTConfig:
     heads: int = 4
 
     def __post_init__(self) -> None:
-        _positive("model.gpt.layers", self.layers)
-        _positive("model.gpt.width", self.width)
-        _positive("model.gpt.heads", self.heads)
+        _check_ranges(self, "model.gpt.")
+        if self.width % self.heads:
+            raise UsageError(
+                f"model.gpt.width={self.width} does not split over model.gpt.heads={self.heads}: "
+                "use a width that is a multiple of heads"
+            )
 
 
 @dataclass(kw_only=True)
@@ -174,8 +297,7 @@ class ModelConfig:
     """Extra keyword arguments for the factory (useful for plug-ins)."""
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.dropout < 1.0:
-            raise UsageError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        _check_ranges(self, "model.")
         check_choice("model.activation", self.activation, ("relu", "sigmoid"))
 
 
@@ -194,8 +316,7 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         check_choice("optim.name", self.name, ("sgd", "adam", "adamw"))
-        _positive("optim.lr", self.lr)
-        _positive("optim.weight_decay", self.weight_decay, allow_zero=True)
+        _check_ranges(self, "optim.")
         if len(self.betas) != 2:
             raise UsageError(f"optim.betas: needs two values like [0.9,0.999], got {self.betas}")
 
@@ -216,10 +337,7 @@ class SchedConfig:
 
     def __post_init__(self) -> None:
         check_choice("sched.name", self.name, ("none", "step", "cosine", "onecycle"))
-        if not 0.0 < self.pct_start < 1.0:
-            raise UsageError(f"sched.pct_start: must be between 0 and 1, got {self.pct_start}")
-        _positive("sched.warmup_steps", self.warmup_steps, allow_zero=True)
-        _positive("sched.step_size_epochs", self.step_size_epochs)
+        _check_ranges(self, "sched.")
 
 
 @dataclass(kw_only=True)
@@ -251,17 +369,8 @@ class TrainConfig:
     BatchNorm inside a block updates its running statistics twice per step)."""
 
     def __post_init__(self) -> None:
-        _positive("train.epochs", self.epochs)
-        _positive("train.eval_every_epochs", self.eval_every_epochs)
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
-        _positive("train.fp16_init_scale", self.fp16_init_scale)
-        if self.micro_batch_size is not None:
-            _positive("train.micro_batch_size", self.micro_batch_size)
-        if self.clip_grad_norm is not None:
-            _positive("train.clip_grad_norm", self.clip_grad_norm)
-        if self.max_steps is not None:
-            _positive("train.max_steps", self.max_steps)
-        _positive("train.eval_every_steps", self.eval_every_steps, allow_zero=True)
+        _check_ranges(self, "train.")
 
 
 @dataclass(kw_only=True)
@@ -281,7 +390,7 @@ class DistConfig:
         check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp", "fsdp", "dp"))
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
-        _positive("dist.timeout_s", self.timeout_s)
+        _check_ranges(self, "dist.")
 
 
 @dataclass(kw_only=True)
@@ -309,7 +418,7 @@ class LogConfig:
     tensorboard package is not installed: pip install 'trainer[tensorboard]')."""
 
     def __post_init__(self) -> None:
-        _positive("log.every_steps", self.every_steps)
+        _check_ranges(self, "log.")
         check_choice("log.progress", self.progress, ("auto", "bar", "plain", "none"))
 
 
@@ -330,11 +439,7 @@ class CkptConfig:
     stripped) when not resuming. Weights only: the optimizer and loop start fresh."""
 
     def __post_init__(self) -> None:
-        _positive("ckpt.every_steps", self.every_steps, allow_zero=True)
-        _positive("ckpt.every_epochs", self.every_epochs, allow_zero=True)
-        _positive("ckpt.keep_last", self.keep_last)
-        if not self.resume:
-            raise UsageError("ckpt.resume: set auto, never, or a checkpoint path")
+        _check_ranges(self, "ckpt.")
 
 
 @dataclass(kw_only=True)
@@ -374,6 +479,7 @@ class Config:
     def __post_init__(self) -> None:
         from trainer import registry
 
+        _check_ranges(self, "")
         registry.check("data.name", self.data.name)
         registry.check("model.name", self.model.name)
         k = self.repro.shards
@@ -384,9 +490,45 @@ class Config:
             )
 
 
+def resolve_strategy(cfg: Config, world_size: int, *, on_cuda: bool | None = None) -> str:
+    """The strategy dist.strategy names on `world_size` ranks (auto: ddp on several ranks), or a
+    ConfigError for a combination that cannot run. on_cuda None: not known yet (config check).
+
+    The rules of trainer.strategy.choose, kept here (no torch) so `trainer config check` applies
+    them too. Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
+    """
+    name = cfg.dist.strategy
+    if name == "auto":
+        name = "ddp" if world_size > 1 else "none"
+    if name == "none" and world_size > 1:
+        raise ConfigError(
+            f"dist.strategy=none cannot run on {world_size} ranks (each would train alone): "
+            "use dist.strategy=ddp or auto, or launch one process"
+        )
+    if name == "dp" and world_size > 1:
+        raise ConfigError(
+            f"dist.strategy=dp is single-process nn.DataParallel, but {world_size} processes were "
+            "launched: use dist.strategy=ddp under torchrun (one process per GPU), or launch one"
+        )
+    if name == "fsdp":
+        if cfg.model.sync_bn:
+            raise ConfigError(
+                "model.sync_bn=true works with dist.strategy=ddp; under fsdp each rank normalises "
+                "with its own slice's statistics: set model.sync_bn=false"
+            )
+        if cfg.fsdp.cpu_offload and (on_cuda is False or cfg.dist.device == "cpu"):
+            raise ConfigError(
+                "fsdp.cpu_offload=true moves shards off the GPU, but this run computes on the CPU: "
+                "set fsdp.cpu_offload=false (or dist.device=cuda)"
+            )
+    return name
+
+
 def check_world_size(cfg: Config, world_size: int) -> None:
     """The global batch must split evenly over the ranks (each takes an equal slice); under
     repro.world_invariant the ranks must split the shards evenly too."""
+    if world_size < 1:
+        raise UsageError(f"--world-size: must be >= 1 (the ranks in the job), got {world_size}")
     b, w = cfg.data.global_batch_size, world_size
     k = cfg.repro.shards
     if cfg.repro.world_invariant and k % w:
@@ -414,6 +556,17 @@ def presets() -> list[str]:
 def _read_yaml(text: str, source: str):
     from omegaconf import DictConfig, OmegaConf
 
+    kind = _yaml_kind(text)
+    if kind == "empty":
+        raise UsageError(
+            f"{source}: the file has no config keys: put some in it (e.g. `optim: {{lr: 0.01}}`), "
+            "or leave --config out"
+        )
+    if kind not in ("mapping", "?"):
+        raise UsageError(
+            f"{source}: must be a YAML mapping of config keys (like `optim: {{lr: 0.01}}`), "
+            f"not a single {kind}"
+        )
     try:
         node = OmegaConf.create(text)
     except Exception as e:  # yaml.YAMLError and OmegaConf's own grammar errors
@@ -423,7 +576,42 @@ def _read_yaml(text: str, source: str):
     return node
 
 
-def _layer_for(config: str | None):
+def _yaml_kind(text: str) -> str:
+    """mapping | list | string | number | boolean | empty, or ? when it does not parse."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return "?"
+    if value is None:
+        return "empty"
+    kinds = {dict: "mapping", list: "list", str: "string", int: "number", float: "number"}
+    return "boolean" if isinstance(value, bool) else kinds.get(type(value), "?")
+
+
+def _read_file(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        binary = b"\0" in raw
+        raise UsageError(
+            f"--config {path}: "
+            + (
+                "is a binary file, not YAML: give a YAML file, a preset name or a run directory"
+                if binary
+                else f"is not UTF-8 (byte 0x{raw[e.start]:02x} at offset {e.start}): save it "
+                "as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            )
+        ) from None
+
+
+def _layer_for(config: str | None, seen: tuple[str, ...] = ()):
     """(source, DictConfig) layers for --config: a preset name or a YAML file path."""
     if config is None:
         config = DEFAULT_PRESET
@@ -431,33 +619,129 @@ def _layer_for(config: str | None):
     if config in names:
         text = resources.files("trainer.conf").joinpath(f"{config}.yaml").read_text()
         return [(f"preset '{config}'", _read_yaml(text, f"preset '{config}'"))]
-    if os.path.isdir(config) and os.path.isfile(os.path.join(config, "config.yaml")):
+    if os.path.isdir(config):
+        if not os.path.isfile(os.path.join(config, "config.yaml")):
+            raise UsageError(
+                f"--config: '{config}' is a directory without config.yaml (not a run "
+                "directory): give a run directory, a YAML file or a preset name"
+            )
         config = os.path.join(config, "config.yaml")  # a run directory: re-run it
     if not os.path.isfile(config):
         raise UsageError(
             f"--config: '{config}' is neither a preset{did_you_mean(config, names)} nor a YAML file; "
             f"presets: {', '.join(names)}"
         )
-    with open(config, encoding="utf-8") as f:
-        node = _read_yaml(f.read(), config)
+    if os.path.realpath(config) in seen:
+        raise UsageError(f"{config}: `preset:` includes itself (a cycle): remove that line")
+    node = _read_yaml(_read_file(config), config)
     layers = []
     base = node.pop("preset", None)  # a user file may build on a preset: `preset: digits-lenet`
     if base is not None:
-        layers += _layer_for(str(base))
+        if not isinstance(base, str) or not base:
+            raise UsageError(
+                f"{config}: preset: needs a preset name or a YAML path (e.g. preset: digits-lenet)"
+                f", got {base}"
+            )
+        layers += _layer_for(base, (*seen, os.path.realpath(config)))
     return [*layers, (config, node)]
+
+
+_BOOLS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+
+
+@functools.lru_cache(maxsize=1)
+def _bool_keys() -> frozenset[str]:
+    """Dotted keys of the schema's bool fields (OmegaConf would take `2` for true)."""
+    import dataclasses
+    import typing
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, f"{prefix}{f.name}.")
+            elif t is bool:
+                yield f"{prefix}{f.name}"
+
+    return frozenset(walk(Config, ""))
+
+
+_KEY = re.compile(r"^[A-Za-z_][\w-]*(\[\d+\])?(\.[A-Za-z_][\w-]*(\[\d+\])?)*$")
+
+
+def _leaf_keys(node=None, prefix: str = "") -> list[str]:
+    """Every dotted key of the schema (nested sections too)."""
+    import dataclasses
+
+    node = Config if node is None else node
+    keys = []
+    for f in dataclasses.fields(node):
+        key = prefix + f.name
+        keys.append(key)
+        t = f.default_factory if f.default_factory is not dataclasses.MISSING else None
+        if t is not None and dataclasses.is_dataclass(t):
+            keys += _leaf_keys(t, key + ".")
+    return keys
+
+
+def _suggest(key: str) -> str:
+    """' (did you mean 'optim.lr'?)' for a misspelt or misplaced dotted key, else ''."""
+    keys = _leaf_keys()
+    cleaned = ".".join(p for p in key.replace(" ", "").split(".") if p)
+    if cleaned in keys and cleaned != key:
+        return f" (did you mean '{cleaned}'?)"
+    leaf = cleaned.rpartition(".")[2]
+    same_leaf = [k for k in keys if k.rpartition(".")[2] == leaf]
+    if same_leaf and cleaned not in keys:
+        return f" (did you mean '{same_leaf[0]}'?)"
+    return did_you_mean(cleaned, keys)
+
+
+def _printable(text: str) -> str:
+    """The text with undecodable bytes (from a non-UTF-8 argv) shown as \\xNN escapes."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _cli_layer(overrides: list[str]):
     from omegaconf import OmegaConf
 
     for item in overrides:
-        key, eq, _ = item.partition("=")
+        key, eq, value = item.partition("=")
+        shown = _printable(item)
         if not eq or not key or key.startswith("-"):
-            raise UsageError(f"override '{item}' must look like key=value (e.g. optim.lr=0.01)")
-    try:
-        return ("command line", OmegaConf.from_dotlist(list(overrides)))
-    except Exception as e:
-        raise UsageError(f"command line: cannot parse overrides ({first_line(e)})") from None
+            raise UsageError(f"override '{shown}' must look like key=value (e.g. optim.lr=0.01)")
+        if _printable(key) != key:
+            raise UsageError(
+                f"override '{shown}': the key is not valid UTF-8: type the key in plain ASCII "
+                f"(e.g. optim.lr=0.01){_suggest(_printable(key))}"
+            )
+        if not _KEY.match(key):
+            raise UsageError(
+                f"override '{shown}': '{key}' is not a dotted key like optim.lr{_suggest(key)}"
+            )
+        if key in _bool_keys() and value.strip().lower() not in _BOOLS:
+            raise UsageError(
+                f"command line: {key}: '{_printable(value)}' is not true or false "
+                f"(e.g. {_example(key)})"
+            )
+        if _printable(value) != value:
+            raise UsageError(
+                f"override '{shown}': the value of {key} is not valid UTF-8: retype it "
+                f"(e.g. {_example(key) if key in _leaf_keys() else key + '=...'}), or write it "
+                "in a UTF-8 --config file"
+            )
+    items = []
+    for item in overrides:
+        try:
+            items.append(OmegaConf.from_dotlist([item]))
+        except Exception as e:
+            key = item.partition("=")[0]
+            raise UsageError(
+                f"command line: {key}: cannot parse '{item.partition('=')[2]}' "
+                f"({first_line(e)}); quote lists like {key}=[1,2] and strings with spaces"
+            ) from None
+    return [(f"command line: {item}", layer) for item, layer in zip(overrides, items, strict=True)]
 
 
 def _valid_keys(schema, full_key: str) -> list[str]:
@@ -468,20 +752,59 @@ def _valid_keys(schema, full_key: str) -> list[str]:
     return list(node.keys()) if node is not None and hasattr(node, "keys") else []
 
 
-def _merge_error(e: Exception, schema, source: str) -> UsageError:
+def _first_key(layer) -> str | None:
+    """The full dotted key of the (first) leaf in a layer: the key a one-override layer sets."""
+    from omegaconf import DictConfig
+
+    key, node = "", layer
+    while isinstance(node, DictConfig) and len(node) >= 1:
+        name = next(iter(node.keys()))
+        key = f"{key}.{name}" if key else str(name)
+        node = node._get_node(name)
+        if len(getattr(node, "keys", lambda: [None, None])()) != 1:
+            break
+    return key or None
+
+
+def _merge_error(e: Exception, schema, source: str, layer=None) -> UsageError:
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-    key = getattr(e, "full_key", None) or "?"
+    key = getattr(e, "full_key", None) or (_first_key(layer) if layer is not None else None)
+    source = "command line" if source.startswith("command line: ") else source
+    if not key:
+        return UsageError(f"{source}: {first_line(e)}")
     if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
         parent, _, leaf = key.rpartition(".")
         valid = _valid_keys(schema, key)
         hint = did_you_mean(leaf, valid)
         if hint and parent:
             hint = hint.replace(" '", f" '{parent}.", 1)
+        hint = hint or _suggest(key)
         return UsageError(
             f"{source}: unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}"
         )
-    return UsageError(f"{source}: {key}: {first_line(e)}")
+    message = first_line(e)
+    if "Merge error" in message or "is not a subclass" in message:
+        message = f"is a section of keys, not a value: set its keys, e.g. {_section_example(key)}"
+        return UsageError(f"{source}: {key}: {message}")
+    hint = range_hint(key)
+    if "valid bool" in message:
+        hint = f" (set true or false, e.g. {_example(key)})"
+    if not hint and "None" in message:
+        hint = f" (give it a value, e.g. {_example(key)})" if key in _leaf_keys() else ""
+    return UsageError(f"{source}: {key}: {message}{hint}")
+
+
+def _section_example(key: str) -> str:
+    import dataclasses
+
+    node: Any = Config()
+    for part in key.split("."):
+        node = getattr(node, part, None)
+    if dataclasses.is_dataclass(node):
+        first = dataclasses.fields(node)[0].name
+        return _example(f"{key}.{first}")
+    return f"{key}.<key>=<value>"
 
 
 def load(config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
@@ -498,13 +821,13 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(Config)
+    schema = _schema()
     merged = schema
-    for source, layer in [*_layer_for(config), _cli_layer(list(overrides))]:
+    for source, layer in [*_layer_for(config), *_cli_layer(list(overrides))]:
         try:
             merged = OmegaConf.merge(merged, layer)
-        except OmegaConfBaseException as e:
-            raise _merge_error(e, schema, source) from None
+        except (OmegaConfBaseException, TypeError, ValueError) as e:  # TypeError: list <- dict
+            raise _merge_error(e, schema, source, _culprit(schema, layer)) from None
     try:
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
@@ -513,6 +836,28 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     except OmegaConfBaseException as e:
         raise _merge_error(e, schema, "config") from None
     return cfg
+
+
+@functools.lru_cache(maxsize=1)
+def _schema():
+    """The structured schema (built once: merges copy it, never change it)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.structured(Config)
+
+
+def _culprit(schema, layer):
+    """The top-level section of `layer` whose merge fails (a layer of that key alone)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    for name in list(layer.keys()):
+        part = OmegaConf.create({name: layer._get_node(name)})
+        try:
+            OmegaConf.merge(schema, part)
+        except (OmegaConfBaseException, TypeError, ValueError):
+            return part
+    return layer
 
 
 def to_yaml(cfg: Config) -> str:

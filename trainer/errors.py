@@ -31,19 +31,63 @@ SEVERITY = (ExitCode.USAGE, ExitCode.ERROR, ExitCode.RETRYABLE, ExitCode.PREEMPT
 
 def record_exit(code: int, environ=None) -> None:
     """Leave this rank's exit code in $TRAINER_STATUS_DIR/attempt-<restart>.rank-<RANK>.exit."""
+    if code != ExitCode.OK:
+        _record("exit", f"{int(code)}\n", environ)
+
+
+def record_message(line: str, environ=None) -> None:
+    """Leave the one line this rank printed for its error next to its exit code (.msg), so the
+    launcher can end the node's output with it, once, after torchrun's own report."""
+    _record("msg", line.rstrip("\n") + "\n", environ)
+
+
+def _record(kind: str, text: str, environ=None) -> None:
     import os
 
     environ = os.environ if environ is None else environ
     folder = environ.get(STATUS_DIR_ENV)
-    if not folder or code == ExitCode.OK:
+    if not folder:
         return
     attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
-    name = f"attempt-{attempt}.rank-{environ.get('RANK', '0')}.exit"
+    name = f"attempt-{attempt}.rank-{environ.get('RANK', '0')}.{kind}"
     try:
-        with open(os.path.join(folder, name), "w") as f:
-            f.write(f"{int(code)}\n")
+        with open(
+            os.path.join(folder, name), "w", encoding="utf-8", errors="backslashreplace"
+        ) as f:
+            f.write(text)
     except OSError:
         pass  # the status file is a courtesy to the launcher; never mask the real exit
+
+
+def node_message(folder: str, code: int) -> str | None:
+    """The line the lowest rank of the LAST attempt that exited with `code` left, if any."""
+    import os
+    import re
+
+    found: dict[tuple[int, int], str] = {}
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return None
+    for name in names:
+        m = re.match(r"^attempt-(\d+)\.rank-(\d+)\.msg$", name)
+        if not m:
+            continue
+        base = os.path.join(folder, name[: -len(".msg")])
+        try:
+            with open(base + ".exit") as f:
+                if int(f.read().strip()) != code:
+                    continue
+            with open(base + ".msg", encoding="utf-8", errors="replace") as f:
+                line = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if line:
+            found[(int(m.group(1)), int(m.group(2)))] = line
+    if not found:
+        return None
+    last = max(a for a, _ in found)
+    return found[min(k for k in found if k[0] == last)]
 
 
 def node_exit_code(folder: str, fallback: int, signalled: bool = False) -> int:

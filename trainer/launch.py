@@ -18,6 +18,7 @@ them to the workers.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -321,10 +322,17 @@ class Forwarder:
 
 
 def run_child(plan: Plan, signals: Forwarder) -> int:
-    """Run torchrun, forwarding signals; the ranks' most significant exit code."""
+    """Run torchrun, forwarding signals; the ranks' most significant exit code.
+
+    torchrun's stderr (the ranks' too: they inherit it) passes through a StderrFilter, so that
+    when a rank reports an error of its own, the node's output ends with that one line, once,
+    instead of a copy per rank followed by torchrun's ChildFailedError traceback.
+    """
     import shutil
     import subprocess
     import tempfile
+
+    from trainer.errors import node_message
 
     if signals.last is not None:  # stopped before anything started
         return 128 + signals.last
@@ -332,17 +340,93 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
     env = {k: v for k, v in os.environ.items() if k not in plan.unset}
     env.update(plan.env)
     env[STATUS_DIR_ENV] = status_dir
+    out = StderrFilter(sys.stderr)
     try:
         # A session of its own: a terminal's Ctrl-C reaches torchrun once (from us), not twice.
         signals.child = subprocess.Popen(
-            plan.argv, env=env, start_new_session=True, preexec_fn=_die_with_parent
+            plan.argv,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+            stderr=subprocess.PIPE,
         )
         if signals.last is not None:  # a signal arrived while torchrun was starting
             signals.child.send_signal(signals.last)
+        assert signals.child.stderr is not None
+        for raw in iter(signals.child.stderr.readline, b""):
+            out.feed(raw)
         rc = signals.child.wait()
-        return exit_code(rc, status_dir, signals.last)
+        code = exit_code(rc, status_dir, signals.last)
+        out.finish(node_message(status_dir, code) if rc != 0 else None)
+        return code
     finally:
+        out.finish(None)
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+class StderrFilter:
+    """Passes torchrun's stderr through line by line, holding back three things: the ranks'
+    `trainer: error:` lines, torchrun's own log lines (`E1123 12:00:00.000 123 torch/...`), and
+    the traceback torchrun prints after a worker failed. `finish(line)`: with a rank's line, drop
+    what was held and print that line last; without one, print everything held, in order."""
+
+    AGENT = re.compile(rb"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+    FAILED = re.compile(rb"failed \(exitcode: ")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.held: list[bytes] = []
+        self.errors: list[bytes] = []
+        self.failed = False
+        self.tail = False
+        self.done = False
+
+    def _write(self, *chunks: bytes) -> None:
+        buffer = getattr(self.stream, "buffer", None)
+        for chunk in chunks:
+            if buffer is not None:
+                buffer.write(chunk)
+            else:
+                self.stream.write(chunk.decode("utf-8", "replace"))
+        self.stream.flush()
+
+    def feed(self, raw: bytes) -> None:
+        if self.tail:
+            self.held.append(raw)
+        elif raw.startswith(b"trainer: error: "):
+            self.errors.append(raw)
+        elif self.AGENT.match(raw):
+            self.held.append(raw)
+            self.failed = self.failed or bool(self.FAILED.search(raw))
+        elif self.failed and raw.startswith(b"Traceback (most recent call last):"):
+            self.tail = True  # the workers are gone: the rest is torchrun's own report
+            self.held.append(raw)
+        else:
+            self._write(*self.held, raw)
+            self.held.clear()
+            self.failed = False
+
+    def finish(self, line: str | None) -> None:
+        if self.done:
+            return
+        self.done = True
+        if line is not None:
+            # Other ranks' lines that say something else are kept, above it; copies are not.
+            chosen = self._unranked(line.encode("utf-8", "backslashreplace"))
+            others: list[bytes] = []
+            for raw in self.errors:
+                if self._unranked(raw) != chosen and self._unranked(raw) not in map(
+                    self._unranked, others
+                ):
+                    others.append(raw)
+            self._write(*others, (line + "\n").encode("utf-8", "backslashreplace"))
+            return
+        self._write(*self.errors, *self.held)
+
+    RANK = re.compile(rb"^trainer: error: \[rank \d+\] ")
+
+    def _unranked(self, raw: bytes) -> bytes:
+        return self.RANK.sub(b"trainer: error: ", raw.rstrip(b"\r\n"))
 
 
 def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
@@ -428,9 +512,10 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         probe=probe_route,
     )
     if cfg is not None and plan.world_size:
-        from trainer.config import check_world_size
+        from trainer.config import check_world_size, resolve_strategy
 
         check_world_size(cfg, plan.world_size)  # exit 2 here, not one failed rank per process
+        resolve_strategy(cfg, plan.world_size)
     if dry_run:
         print(f"# {plan.summary}")
         if plan.child:

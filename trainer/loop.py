@@ -7,6 +7,7 @@ should_save) that the tests check directly; `should_stop` is the one collective 
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ import torch
 
 from trainer import data, perf, ranks
 from trainer.config import CkptConfig, TrainConfig
-from trainer.errors import Preempted, TrainerError, first_line, io_error
+from trainer.errors import ConfigError, Preempted, TrainerError, first_line, io_error
 from trainer.evaluate import evaluate
 from trainer.signals import StopVote
 
@@ -101,6 +102,7 @@ def fit(run: Run) -> None:
             if should_save(cfg.ckpt, step=state.step, total_steps=run.total_steps):
                 _save(run, clock, "every_steps")
         epoch_loss = losses.epoch_mean()
+        check_loss(run, epoch_loss)
         if epoch_loss is not None:
             run.results["train"] = {"loss": epoch_loss, "epoch": state.epoch}
         if state.step_in_epoch >= len(plan):  # the epoch ran to its end
@@ -124,6 +126,7 @@ def fit(run: Run) -> None:
 def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> None:
     samples = losses.window_samples
     loss = losses.window_mean()  # all ranks' shares summed: the global mean loss per step
+    check_loss(run, loss)
     elapsed, waited = clock.lap()
     run.results["train"] = {"loss": loss}
     record = {"kind": "train", "step": run.state.step, "epoch": run.state.epoch, "loss": loss}
@@ -194,6 +197,7 @@ def check_log(run: Run, clock: TrainClock) -> None:
 
 
 def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = False) -> str | None:
+    check_weights(run)  # never a checkpoint of NaN weights over the good ones
     with clock.paused():
         run.results["train_time_s"] = clock.total
         run.results["data_wait_s"] = clock.waited
@@ -213,6 +217,35 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
     raise Preempted(
         f"stopped by {name} at step {step}; checkpoint {path} saved: rerun the same command to "
         "resume"
+    )
+
+
+def check_loss(run: Run, loss: float | None) -> None:
+    """Stop a diverged run: a non-finite global loss (all-reduced already: every rank agrees)."""
+    if loss is not None and not math.isfinite(loss):
+        _diverged(run, f"the mean train loss is {loss}")
+
+
+def check_weights(run: Run) -> None:
+    """Stop before saving non-finite weights: one flag summed over the ranks, only at saves, so
+    no step pays a device-to-host sync for it."""
+    flag = torch.zeros((), dtype=torch.float32, device=run.world.device)
+    for p in run.model.parameters():
+        local = p.detach()
+        local = local.to_local() if hasattr(local, "to_local") else local  # FSDP shards
+        if local.is_floating_point():
+            flag += (~torch.isfinite(local)).any()
+    if ranks.all_reduce_sum(flag).item():
+        _diverged(run, "the weights hold NaN/inf")
+
+
+def _diverged(run: Run, what: str) -> None:
+    """Exit 2, not 1 or 4: rerunning the same config diverges the same way; it needs a change."""
+    lr, kept = run.cfg.optim.lr, run.ckpt.last_saved_step
+    raise ConfigError(
+        f"training diverged: {what} at step {run.state.step}: lower optim.lr (now {lr:g}, e.g. "
+        f"optim.lr={lr / 10:g}) or set train.clip_grad_norm=1.0; "
+        + (f"checkpoints up to step {kept} are kept" if kept else "no checkpoint was written")
     )
 
 

@@ -215,33 +215,13 @@ def choose(cfg: Config, world: World) -> Strategy:
 
     Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
     """
-    name = cfg.dist.strategy
-    if name == "auto":
-        name = "ddp" if world.distributed else "none"
-    if name == "none" and world.distributed:
-        raise ConfigError(
-            f"dist.strategy=none cannot run on {world.size} ranks (each would train alone): "
-            "use dist.strategy=ddp or auto, or launch one process"
-        )
-    if name == "dp" and world.distributed:
-        raise ConfigError(
-            f"dist.strategy=dp is single-process nn.DataParallel, but {world.size} processes were "
-            "launched: use dist.strategy=ddp under torchrun (one process per GPU), or launch one"
-        )
+    from trainer.config import resolve_strategy
+
+    name = resolve_strategy(cfg, world.size, on_cuda=world.on_cuda)
     if cfg.repro.world_invariant:
         _check_world_invariant(cfg, name, world)
         return WorldInvariant(name, cfg.repro.shards)
     if name == "fsdp":
-        if cfg.model.sync_bn:
-            raise ConfigError(
-                "model.sync_bn=true works with dist.strategy=ddp; under fsdp each rank normalises "
-                "with its own slice's statistics: set model.sync_bn=false"
-            )
-        if cfg.fsdp.cpu_offload and not world.on_cuda:
-            raise ConfigError(
-                "fsdp.cpu_offload=true moves shards off the GPU, but this run computes on the CPU: "
-                "set fsdp.cpu_offload=false (or dist.device=cuda)"
-            )
         return FSDP(cfg.train.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
     if name == "dp":
         return DataParallel()

@@ -1,0 +1,580 @@
+"""Generated bad-input cases through the real CLIs: every one must end in exit 2 and one line.
+
+The cases come from tables: every field of the config schema times the bad values of its type
+(NaN, inf, negative, zero, huge, wrong type, empty), unknown and misspelt keys, malformed
+override syntax, bad --config files, `config check --world-size` and strategy mismatches, and a
+few mistakes only a build (train --dry-run) can see. Most run in-process through
+trainer.cli.main (the same code path as the console script: main() catches TrainerError and
+argparse's SystemExit itself); a sample runs as real subprocesses to prove in-process ==
+subprocess. Each case asserts: exit code 2, no "Traceback" anywhere, and stderr's last
+non-empty line is a `trainer...: error:` line naming the offending key or argument.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import math
+import os
+import subprocess
+import sys
+import typing
+from dataclasses import dataclass
+
+import pytest
+
+from tests.helpers import BIN, ROOT, TINY, env
+from trainer import cli, config
+from trainer.config import RANGES, Config
+
+# --- the tables --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    category: str
+    argv: tuple[str, ...]
+    names: str
+    """What the error line must mention (the offending key, file or argument)."""
+
+
+def schema_fields(cls=Config, prefix: str = ""):
+    """(dotted key, type) for every leaf field of the schema."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            yield from schema_fields(t, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", t
+
+
+def _base(t):
+    """int | None -> (int, True); list[int] -> (list, int)."""
+    args = typing.get_args(t)
+    if type(None) in args:
+        return _base(next(a for a in args if a is not type(None)))[0], True
+    if typing.get_origin(t) is list:
+        return (list, args[0]), False
+    if typing.get_origin(t) is dict:
+        return dict, False
+    return t, False
+
+
+def _outside(key: str, item_type) -> list[str]:
+    """Values just outside the key's range, and far outside it."""
+    r = RANGES[key]
+    out = []
+    if r.lo_open:
+        out.append(str(r.lo))
+    elif r.lo > 0:
+        out.append(str(r.lo - 1 if item_type is int else r.lo / 2))
+    if item_type is int:
+        out.append(str(int(r.hi) + 1))
+    elif not r.hi_open:
+        out.append(repr(float(r.hi) * 1.5))
+    else:
+        out.append(str(r.hi))
+    return out
+
+
+NUMBER_BAD = ["nan", "inf", "-1", "abc", "[1]", "1e400"]
+INT_ONLY_BAD = ["1.5", "true"]
+BOOL_BAD = ["maybe", "2", "[true]", "{a:1}", "''"]
+STR_BAD = ["[a]", "{a:1}"]
+EMPTY_OK = set()  # string fields where "" is meaningful (none today)
+
+
+def field_cases() -> list[Case]:
+    cases = []
+    for key, t in schema_fields():
+        (base, optional), cat = _base(t), "field"
+        bad: list[str] = []
+        if base in (int, float):
+            bad = [*NUMBER_BAD, *(INT_ONLY_BAD if base is int else []), *_outside(key, base)]
+        elif base is bool:
+            bad = list(BOOL_BAD)
+        elif base is str:
+            bad = [*STR_BAD, "''"] if key in config.NONEMPTY or _is_choice(key) else list(STR_BAD)
+            if _is_choice(key):
+                bad += ["bogus", "NONE"]
+        elif isinstance(base, tuple):  # a list field
+            item = base[1]
+            bad = ["5", "abc", "[abc]", "[nan]", "[-1]", "[inf]", "{a:1}"]
+            bad += [f"[{v}]" for v in _outside(key, item)]
+        elif base is dict:
+            bad = ["5", "[1]"]
+        if not optional and base is not dict:
+            bad.append("")  # `key=` means null
+        seen = set()
+        for value in bad:
+            if value in seen:
+                continue
+            seen.add(value)
+            cases.append(Case(cat, ("config", "check", f"{key}={value}"), key))
+    return cases
+
+
+def _is_choice(key: str) -> bool:
+    try:
+        config.load(None, [f"{key}=zzz-not-a-choice"])
+    except config.UsageError as e:
+        return "choose one of" in str(e) or "did you mean" in str(e) or "package." in str(e)
+    return False
+
+
+def key_cases() -> list[Case]:
+    cases = []
+    top = {f.name for f in dataclasses.fields(Config)}
+    for key, _ in schema_fields():
+        cases.append(Case("unknown key", ("config", "check", f"{key}x=1"), f"{key}x"))
+        leaf = key.rpartition(".")[2]
+        if (
+            "." in key
+            and leaf not in top
+            and Case("misplaced key", ("config", "check", f"{leaf}=1"), leaf) not in cases
+        ):
+            cases.append(Case("misplaced key", ("config", "check", f"{leaf}=1"), leaf))
+    for section in sorted(top - {"name", "run_dir", "seed"}):
+        for value in ("5", "[1]", "abc"):
+            cases.append(
+                Case("section as value", ("config", "check", f"{section}={value}"), section)
+            )
+    return cases
+
+
+SYNTAX = [
+    (".lr=1", ".lr"),
+    ("optim..lr=1", "optim..lr"),
+    ("optim.lr.=1", "optim.lr."),
+    ("optim lr=1", "optim lr"),
+    ("optim.lr", "optim.lr"),
+    ("=1", "=1"),
+    ("==", "=="),
+    ("optim.lr=[1", "optim.lr"),
+    ("optim.lr={", "optim.lr"),
+    ("model.hidden=[1,", "model.hidden"),
+    ("optim.lr=1e", "optim.lr"),
+    ("optim.lr.x=1", "optim.lr"),
+    ("optim.name.x=1", "optim.name"),
+    ("optim.lr=\udcff", "optim.lr"),
+    ("opt\udcffim.lr=1", "opt\\xffim.lr"),
+    ("data.root=\udce9t\udce9", "data.root"),
+    ("1optim.lr=1", "1optim.lr"),
+    ("optim.*=1", "optim.*"),
+    ("optim.lr=1=2", "optim.lr"),
+    ("-lr=1", "-lr=1"),
+    ("--lr=1", "--lr=1"),
+]
+
+
+def syntax_cases() -> list[Case]:
+    cases = [Case("override syntax", ("config", "check", arg), names) for arg, names in SYNTAX]
+    cases += [
+        Case("override syntax", ("train", "--dry-run", arg), names)
+        for arg, names in SYNTAX
+        if not arg.startswith("-")
+    ]
+    return cases
+
+
+COMBOS = [
+    (["data.persistent_workers=true"], "data.persistent_workers"),
+    (["data.device_resident=true", "data.num_workers=2"], "data.device_resident"),
+    (["model.name=gpt", "model.gpt.width=100", "model.gpt.heads=3"], "model.gpt.width"),
+    (["optim.betas=[0.9]"], "optim.betas"),
+    (["optim.betas=[0.9,0.99,0.999]"], "optim.betas"),
+    (["data.synthetic.shape=[]"], "data.synthetic.shape"),
+    (["dist.strategy=fsdp", "model.sync_bn=true"], "model.sync_bn"),
+    (["dist.strategy=fsdp", "fsdp.cpu_offload=true", "dist.device=cpu"], "fsdp.cpu_offload"),
+]
+
+
+def config_check_cases() -> list[Case]:
+    cases = [Case("cross-field", ("config", "check", *o), names) for o, names in COMBOS]
+    for n in ("0", "-4", "-1"):
+        cases.append(Case("world size", ("config", "check", f"--world-size={n}"), "--world-size"))
+    for n in ("abc", "1.5", ""):
+        cases.append(Case("world size", ("config", "check", f"--world-size={n}"), "--world-size"))
+    cases += [
+        Case("world size", ("config", "check", "--world-size=3"), "data.global_batch_size"),
+        Case(
+            "world size", ("config", "check", "--world-size=2", "dist.strategy=dp"), "dist.strategy"
+        ),
+        Case(
+            "world size",
+            ("config", "check", "--world-size=4", "dist.strategy=none"),
+            "dist.strategy",
+        ),
+        Case("cli", ("config", "bogus"), "action"),
+        Case("cli", ("bogus",), "bogus"),
+        Case("cli", ("config", "check", "--bogus"), "--bogus"),
+        Case("cli", ("train", "--from", "/nonexistent-run"), "--from"),
+    ]
+    return cases
+
+
+def yaml_files(folder) -> dict[str, tuple[bytes | None, str]]:
+    """name -> (content, or None for a folder; what the error must mention)."""
+    return {
+        "number.yaml": (b"5\n", "number.yaml"),
+        "float.yaml": (b"1.5\n", "float.yaml"),
+        "list.yaml": (b"- a\n- b\n", "list.yaml"),
+        "string.yaml": (b"hello\n", "string.yaml"),
+        "bool.yaml": (b"true\n", "bool.yaml"),
+        "latin1.yaml": ("name: café\n".encode("latin-1"), "latin1.yaml"),
+        "binary.yaml": (bytes(range(256)) * 4, "binary.yaml"),
+        "utf16.yaml": ("name: x\n".encode("utf-16"), "utf16.yaml"),
+        "empty.yaml": (b"", "empty.yaml"),
+        "blank.yaml": (b"\n  \n", "blank.yaml"),
+        "comments.yaml": (b"# nothing\n", "comments.yaml"),
+        "broken.yaml": (b"optim: [unclosed\n", "broken.yaml"),
+        "tabs.yaml": (b"optim:\n\tlr: 1\n", "tabs.yaml"),
+        "section.yaml": (b"optim: 5\n", "optim"),
+        "section-list.yaml": (b"data: [1, 2]\n", "data"),
+        "typo.yaml": (b"optim:\n  lrr: 0.1\n", "optim.lrr"),
+        "nan.yaml": (b"optim:\n  lr: .nan\n", "optim.lr"),
+        "inf.yaml": (b"optim:\n  lr: .inf\n", "optim.lr"),
+        "negative.yaml": (b"seed: -1\n", "seed"),
+        "type.yaml": (b"train:\n  epochs: many\n", "train.epochs"),
+        "preset-number.yaml": (b"preset: 5\n", "preset"),
+        "preset-missing.yaml": (b"preset: digits-mpl\n", "digits-mpl"),
+        "preset-self.yaml": (b"preset: PLACEHOLDER\n", "preset"),
+        "not-a-run-dir": (None, "not-a-run-dir"),
+    }
+
+
+def yaml_cases(folder) -> list[Case]:
+    cases = []
+    for name, (content, names) in yaml_files(folder).items():
+        path = os.path.join(folder, name)
+        if content is None:
+            os.makedirs(path, exist_ok=True)
+        else:
+            with open(path, "wb") as f:
+                f.write(content.replace(b"PLACEHOLDER", path.encode()))
+        cases.append(Case("yaml file", ("config", "check", "--config", path), names))
+        cases.append(Case("yaml file", ("train", "--dry-run", "-c", path), names))
+    missing = os.path.join(folder, "missing.yaml")
+    cases.append(Case("yaml file", ("config", "check", "--config", missing), "missing.yaml"))
+    cases.append(Case("yaml file", ("config", "show", "--config", "digits-mpl"), "digits-mpl"))
+    return cases
+
+
+def build_cases(folder) -> list[Case]:
+    """Mistakes only a build sees (the dataset's facts): train --dry-run on tiny settings."""
+    run = f"run_dir={folder}/run"
+    return [
+        Case(
+            "build", ("train", "--dry-run", *TINY, run, "model.num_classes=2"), "model.num_classes"
+        ),
+        Case(
+            "build", ("train", "--dry-run", *TINY, run, "model.num_classes=1"), "model.num_classes"
+        ),
+        Case(
+            "build",
+            ("train", "--dry-run", run, "data.name=mnist", f"data.root={folder}/none"),
+            "data.name=mnist",
+        ),
+        Case(
+            "build",
+            ("train", "--dry-run", run, "data.name=text", f"data.text.path={folder}/none"),
+            "data.text.path",
+        ),
+        Case("build", ("train", "--dry-run", run, "data.name=nomodule:fn"), "data.name"),
+        Case("build", ("train", "--dry-run", *TINY, run, "model.name=gpt"), "model.name=gpt"),
+    ]
+
+
+LAUNCH = [
+    ({}, ["dist.strategy=dp"], "dist.strategy"),
+    ({}, ["dist.strategy=none"], "dist.strategy"),
+    ({}, ["dist.strategy=fsdp", "model.sync_bn=true"], "model.sync_bn"),
+    ({}, ["data.global_batch_size=3"], "data.global_batch_size"),
+    ({}, ["optim.lr=nan"], "optim.lr"),
+    ({}, [".lr=1"], ".lr"),
+    ({"NPROC_PER_NODE": "abc"}, [], "NPROC_PER_NODE"),
+    ({"NPROC_PER_NODE": "-2"}, [], "NPROC_PER_NODE"),
+    ({"NNODES": "0"}, [], "NNODES"),
+    ({"MASTER_PORT": "99999", "NNODES": "2", "MASTER_ADDR": "h"}, [], "MASTER_PORT"),
+    ({"MAX_RESTARTS": "-1"}, [], "MAX_RESTARTS"),
+    ({"OMP_NUM_THREADS": "abc"}, [], "OMP_NUM_THREADS"),
+    ({"TRAIN_ARGS": "optim.lr='unclosed"}, [], "TRAIN_ARGS"),
+]
+"""trainer-launch --dry-run on a 2-process node: (environment, arguments, what to name)."""
+
+
+def all_cases(folder) -> list[Case]:
+    cases = [
+        *field_cases(),
+        *key_cases(),
+        *syntax_cases(),
+        *config_check_cases(),
+        *yaml_cases(folder),
+        *build_cases(folder),
+    ]
+    assert len(set(cases)) == len(cases), "duplicate cases"
+    return cases
+
+
+# --- running a case ----------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    code: int | None
+    stdout: str
+    stderr: str
+
+
+def run_in_process(argv, main=cli.main) -> Outcome:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(argv))
+        except SystemExit as e:  # argparse: main() records and re-raises it, as the script does
+            code = e.code if isinstance(e.code, int) else 1
+        except BaseException:  # a bug: what the console script would show
+            import traceback
+
+            traceback.print_exc(file=err)
+            code = 1
+    return Outcome(code, out.getvalue(), err.getvalue())
+
+
+def run_subprocess(argv) -> Outcome:
+    p = subprocess.run(
+        [sys.executable, "-m", "trainer", *[os.fsencode(a) for a in argv]],
+        capture_output=True,
+        env=env(),
+        cwd=ROOT,
+        timeout=120,
+    )
+    decode = lambda b: b.decode("utf-8", "backslashreplace")  # noqa: E731
+    return Outcome(p.returncode, decode(p.stdout), decode(p.stderr))
+
+
+def problems(case: Case, o: Outcome) -> list[str]:
+    found = []
+    if o.code != 2:
+        found.append(f"exit {o.code}")
+    if "Traceback" in o.stdout + o.stderr:
+        found.append("traceback")
+    lines = [line for line in o.stderr.splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    errors = [line for line in lines if ": error: " in line]
+    if ": error: " not in last:
+        found.append(f"last line is not an error line: {last[:120]!r}")
+    elif len(errors) != 1:
+        found.append(f"{len(errors)} error lines")
+    elif case.names.lower() not in last.lower() and case.names not in _printable(last):
+        found.append(f"does not name {case.names!r}: {last[:200]!r}")
+    return found
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    from trainer.errors import STATUS_DIR_ENV
+    from trainer.ranks import TORCHRUN_VARS
+
+    for name in (*TORCHRUN_VARS, STATUS_DIR_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+# --- the tests ---------------------------------------------------------------------------------
+
+
+def test_every_numeric_field_has_a_range():
+    numeric = []
+    for key, t in schema_fields():
+        base = _base(t)[0]
+        if base in (int, float) or (isinstance(base, tuple) and base[1] in (int, float)):
+            numeric.append(key)
+    assert sorted(numeric) == sorted(RANGES), "RANGES must list exactly the numeric fields"
+    for key in RANGES:  # every default is inside its own range
+        value = config._example(key).partition("=")[2]
+        if value not in ("null",):
+            config.load(None, [f"{key}={value}"])
+    assert math.inf not in [r.hi for r in RANGES.values()]
+
+
+def test_generated_bad_inputs_exit_2_with_one_line(clean_env, capsys):
+    cases = all_cases(str(clean_env))
+    failures: dict[str, list[str]] = {}
+    for case in cases:
+        found = problems(case, run_in_process(case.argv))
+        if found:
+            failures.setdefault(case.category, []).append(f"{list(case.argv)}: {'; '.join(found)}")
+    by_category: dict[str, int] = {}
+    for case in cases:
+        by_category[case.category] = by_category.get(case.category, 0) + 1
+    failed = sum(map(len, failures.values()))
+    with capsys.disabled():
+        print(
+            f"\n{len(cases)} generated bad-input cases "
+            f"({', '.join(f'{k} {v}' for k, v in by_category.items())}): "
+            + (
+                "all exit 2 with one line naming the key"
+                if not failed
+                else f"{failed} FAILED ({', '.join(f'{k} {len(v)}' for k, v in failures.items())})"
+            )
+        )
+    assert len(cases) >= 300
+    assert not failed, "\n".join(line for lines in failures.values() for line in lines)
+
+
+def test_trainer_launch_refuses_bad_input_before_torchrun(clean_env, monkeypatch):
+    from trainer import launch
+
+    failures = []
+    for extra, args, names in LAUNCH:
+        with monkeypatch.context() as m:
+            m.setenv("NPROC_PER_NODE", "2")
+            for name, value in extra.items():
+                m.setenv(name, value)
+            o = run_in_process(["--dry-run", *args], main=launch.main)
+        case = Case("launch", ("trainer-launch", *args), names)
+        if found := problems(case, o):
+            failures.append(f"{extra} {args}: {found}")
+    assert not failures, "\n".join(failures)
+
+
+def test_a_sample_behaves_the_same_as_a_subprocess(clean_env):
+    cases = [c for c in all_cases(str(clean_env)) if c.category != "build"]
+    sample = cases[:: max(1, len(cases) // 10)][:10]
+    for case in sample:
+        sub = run_subprocess(case.argv)
+        assert not problems(case, sub), (case, sub.stderr[-2000:])
+        inproc = run_in_process(case.argv)
+        assert inproc.code == sub.code
+        assert inproc.stderr.strip().splitlines()[-1] == sub.stderr.strip().splitlines()[-1]
+
+
+# --- targeted: a diverging run, and the launcher's output --------------------------------------
+
+
+def diverging_model(num_classes, in_shape, after=4):
+    """tests.helpers' tiny model whose output turns NaN from training forward `after` + 1 on."""
+    import torch
+    from torch import nn
+
+    class Diverging(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(in_shape), num_classes))
+            self.calls = 0
+
+        def forward(self, x):
+            out = self.net(x)
+            if self.training:
+                self.calls += 1
+                if self.calls > after:
+                    out = out * torch.tensor(float("nan"))
+            return out
+
+    return Diverging()
+
+
+@pytest.mark.parametrize("log_every, save_every", [(4, 2), (1, 100)])
+def test_a_diverging_run_stops_with_exit_2_and_keeps_the_good_checkpoints(
+    tmp_path, log_every, save_every
+):
+    # The loss turns NaN at step 5. Saving every 2 steps but logging every 4: the save after
+    # step 6 sees NaN weights first; logging every step: the loss at step 5 stops it.
+    run_dir = tmp_path / "run"
+    p = run_subprocess(
+        (
+            "train",
+            *TINY,
+            "model.name=tests.test_bad_input:diverging_model",
+            "train.epochs=4",
+            f"log.every_steps={log_every}",
+            f"ckpt.every_steps={save_every}",
+            "ckpt.every_epochs=0",
+            "ckpt.keep_last=100",
+            "log.progress=plain",
+            f"run_dir={run_dir}",
+        )
+    )
+    assert p.code == 2, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr + p.stdout
+    last = p.stderr.strip().splitlines()[-1]
+    step = 6 if save_every == 2 else 5
+    assert last.startswith("trainer: error: training diverged: ") and f"at step {step}:" in last
+    assert "optim.lr" in last and "train.clip_grad_norm" in last
+    if save_every == 2:  # the good ones stay; none holds NaN weights
+        assert sorted(os.listdir(run_dir / "checkpoints")) == ["step-000000002", "step-000000004"]
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "final").exists()
+    assert "done:" not in p.stdout
+
+
+@pytest.mark.slow
+def test_trainer_launch_ends_with_the_ranks_one_line_once(tmp_path):
+    p = subprocess.run(
+        [
+            str(BIN / "trainer-launch"),
+            "data.name=mnist",
+            f"data.root={tmp_path}/no-such-root",
+            f"run_dir={tmp_path}/run",
+            "log.progress=plain",
+        ],
+        env=env(NPROC_PER_NODE="2"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert p.returncode == 2, p.stderr[-3000:]
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("trainer: error: data.name=mnist: MNIST not found")
+    assert f"{tmp_path}/no-such-root" in lines[-1]
+    assert sum("MNIST not found" in line for line in lines) == 1, p.stderr
+    assert "Traceback" not in p.stderr and "ChildFailedError" not in p.stderr
+
+
+TORCHRUN_TAIL = [
+    b"W1123 11:55:25.303000 8420 torch/distributed/elastic/multiprocessing/api.py:1028] Sending "
+    b"process 8489 closing signal SIGTERM\n",
+    b"E1123 11:55:25.523000 8420 torch/distributed/elastic/multiprocessing/api.py:1002] failed "
+    b"(exitcode: 2) local_rank: 0 (pid: 8488) of binary: python\n",
+    b"Traceback (most recent call last):\n",
+    b'  File "torch/distributed/run.py", line 1142, in <module>\n',
+    b"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n",
+    b"============================================================\n",
+]
+
+
+@pytest.mark.parametrize("message", [True, False])
+def test_the_launchers_stderr_filter(message):
+    from trainer.launch import StderrFilter
+
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, encoding="utf-8")
+    f = StderrFilter(stream)
+    for raw in [
+        b"epoch 1 step 3 loss 0.5\n",
+        b"trainer: error: [rank 1] data.root: no such folder\n",
+        b"trainer: error: data.root: no such folder\n",
+        b"trainer: error: [rank 3] disk full on /tmp\n",
+        *TORCHRUN_TAIL,
+    ]:
+        f.feed(raw)
+    f.finish("trainer: error: data.root: no such folder" if message else None)
+    stream.flush()
+    lines = out.getvalue().decode().splitlines()
+    if message:  # the line last, once; a different rank's line kept; torchrun's report dropped
+        assert lines == [
+            "epoch 1 step 3 loss 0.5",
+            "trainer: error: [rank 3] disk full on /tmp",
+            "trainer: error: data.root: no such folder",
+        ]
+    else:  # no rank left a line (a crash): everything, nothing dropped
+        assert len(lines) == 4 + len(TORCHRUN_TAIL) and lines[-1].startswith("=====")
