@@ -147,6 +147,22 @@ def test_shards_must_be_a_power_of_two(shards):
         config.load(None, [f"repro.shards={shards}"])
 
 
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["dist.strategy=fsdp"], "not fsdp"),
+        (["model.sync_bn=true"], "set model.sync_bn=false"),
+        (["dist.device=cuda"], "add repro.deterministic=true"),
+    ],
+)
+def test_config_check_applies_the_same_rules(overrides, says, capsys):
+    from trainer import cli
+
+    code = cli.main(["config", "check", "--world-size=2", "repro.world_invariant=true", *overrides])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and says in err and len(err.splitlines()) == 1, err
+
+
 def test_config_check_names_the_world_sizes_that_fit(capsys):
     from trainer import cli
 

@@ -490,6 +490,30 @@ class Config:
             )
 
 
+def _check_world_invariant(cfg: Config, name: str, on_cuda: bool | None) -> None:
+    if name in ("fsdp", "dp"):
+        why = {
+            "fsdp": "FSDP reduce-scatters gradients in an order that depends on the world size",
+            "dp": "nn.DataParallel sums gradients over however many GPUs it finds",
+        }[name]
+        raise ConfigError(
+            f"repro.world_invariant=true works with dist.strategy=ddp or none, not {name}: {why}; "
+            "set dist.strategy=ddp (or repro.world_invariant=false)"
+        )
+    if cfg.model.sync_bn:
+        raise ConfigError(
+            "repro.world_invariant=true normalises BatchNorm per shard, the same on any world "
+            "size; model.sync_bn=true would normalise over each rank's shards: set "
+            "model.sync_bn=false"
+        )
+    cuda = on_cuda if on_cuda is not None else cfg.dist.device == "cuda"
+    if cuda and not cfg.repro.deterministic:
+        raise ConfigError(
+            "repro.world_invariant=true on CUDA needs deterministic kernels (atomics make some "
+            "backward passes vary run to run): add repro.deterministic=true"
+        )
+
+
 def resolve_strategy(cfg: Config, world_size: int, *, on_cuda: bool | None = None) -> str:
     """The strategy dist.strategy names on `world_size` ranks (auto: ddp on several ranks), or a
     ConfigError for a combination that cannot run. on_cuda None: not known yet (config check).
@@ -500,6 +524,8 @@ def resolve_strategy(cfg: Config, world_size: int, *, on_cuda: bool | None = Non
     name = cfg.dist.strategy
     if name == "auto":
         name = "ddp" if world_size > 1 else "none"
+    if cfg.repro.world_invariant:
+        _check_world_invariant(cfg, name, on_cuda)
     if name == "none" and world_size > 1:
         raise ConfigError(
             f"dist.strategy=none cannot run on {world_size} ranks (each would train alone): "

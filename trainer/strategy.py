@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from trainer.errors import ConfigError, UsageError
+from trainer.errors import UsageError
 
 if TYPE_CHECKING:
     from trainer.config import Config
@@ -187,29 +187,6 @@ class WorldInvariant(Strategy):
         )
 
 
-def _check_world_invariant(cfg: Config, name: str, world: World) -> None:
-    if name in ("fsdp", "dp"):
-        why = {
-            "fsdp": "FSDP reduce-scatters gradients in an order that depends on the world size",
-            "dp": "nn.DataParallel sums gradients over however many GPUs it finds",
-        }[name]
-        raise ConfigError(
-            f"repro.world_invariant=true works with dist.strategy=ddp or none, not {name}: {why}; "
-            "set dist.strategy=ddp (or repro.world_invariant=false)"
-        )
-    if cfg.model.sync_bn:
-        raise ConfigError(
-            "repro.world_invariant=true normalises BatchNorm per shard, the same on any world "
-            "size; model.sync_bn=true would normalise over each rank's shards: set "
-            "model.sync_bn=false"
-        )
-    if world.on_cuda and not cfg.repro.deterministic:
-        raise ConfigError(
-            "repro.world_invariant=true on CUDA needs deterministic kernels (atomics make some "
-            "backward passes vary run to run): add repro.deterministic=true"
-        )
-
-
 def choose(cfg: Config, world: World) -> Strategy:
     """The strategy dist.strategy names, checked against this world (auto: ddp on several ranks).
 
@@ -219,7 +196,6 @@ def choose(cfg: Config, world: World) -> Strategy:
 
     name = resolve_strategy(cfg, world.size, on_cuda=world.on_cuda)
     if cfg.repro.world_invariant:
-        _check_world_invariant(cfg, name, world)
         return WorldInvariant(name, cfg.repro.shards)
     if name == "fsdp":
         return FSDP(cfg.train.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
