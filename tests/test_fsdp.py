@@ -222,7 +222,7 @@ def test_damaged_shards_in_every_checkpoint_stop_the_run_and_keep_them(runs, tmp
         extra_env={"TRAINER_STATUS_DIR": str(status)},
     )
     assert p.returncode != 0 and "no checkpoint in" in p.stderr and "verifies" in p.stderr
-    assert {f.read_text().strip() for f in status.iterdir()} == {"2"}  # every rank: exit 2
+    assert {f.read_text().strip() for f in status.glob("*.exit")} == {"2"}  # every rank: exit 2
     assert before == {
         f: f.read_bytes() for f in (run_dir / "checkpoints").rglob("*") if f.is_file()
     }
@@ -319,7 +319,7 @@ def test_dp_refuses_a_multi_process_launch_in_one_line(tmp_path):
         "train", *GPT, "dist.strategy=dp", f"run_dir={tmp_path / 'run'}", nproc=2, check=False,
         extra_env={"TRAINER_STATUS_DIR": str(status)},
     )  # fmt: skip
-    codes = {f.read_text().strip() for f in status.iterdir()}
+    codes = {f.read_text().strip() for f in status.glob("*.exit")}
     assert codes == {"2"}, codes  # every rank: bad config (torchrun itself reports 1)
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("trainer: error:")]
     assert lines == [
@@ -373,5 +373,5 @@ def test_a_checkpoint_metadata_that_would_run_code_is_refused(runs, tmp_path):
         "train", *GPT, "dist.strategy=fsdp", f"ckpt.resume={step}", f"run_dir={run_dir}",
         nproc=2, check=False, extra_env={"TRAINER_STATUS_DIR": str(status)},
     )  # fmt: skip
-    assert {f.read_text().strip() for f in status.iterdir()} == {"2"}, p.stderr[-2000:]
+    assert {f.read_text().strip() for f in status.glob("*.exit")} == {"2"}, p.stderr[-2000:]
     assert "posix.system" in p.stderr and not marker.exists()

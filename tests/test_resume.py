@@ -109,8 +109,9 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
     proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both workers
     out, _ = proc.communicate(timeout=60)
     assert "stopped by SIGTERM" in out, out[-2000:]
-    assert sorted(os.listdir(status)) == ["attempt-0.rank-0.exit", "attempt-0.rank-1.exit"]
-    assert {(status / f).read_text().strip() for f in os.listdir(status)} == {"3"}
+    exits = sorted(f.name for f in status.glob("*.exit"))
+    assert exits == ["attempt-0.rank-0.exit", "attempt-0.rank-1.exit"]
+    assert {(status / f).read_text().strip() for f in exits} == {"3"}
     newest = checkpoints(run_dir)[-1]
     meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
     assert meta["reason"] == "signal SIGTERM" and meta["loop"]["step"] < 69
@@ -140,7 +141,7 @@ def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
     assert len(workers) == 2, workers
     os.kill(max(workers), signal.SIGTERM)  # one rank only; rank 0 must learn it from the vote
     out, _ = proc.communicate(timeout=60)
-    assert {(status / f).read_text().strip() for f in os.listdir(status)} == {"3"}, out[-2000:]
+    assert {f.read_text().strip() for f in status.glob("*.exit")} == {"3"}, out[-2000:]
     newest = checkpoints(run_dir)[-1]
     meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
     assert meta["reason"] == "signal SIGTERM"

@@ -95,7 +95,7 @@ def test_the_default_corpus_is_the_standard_library_without_tests():
         (["data.text.path={tiny}", "data.text.seq_len=64"], "not enough for one window"),
         (["data.text.seq_len=0"], "data.text.seq_len"),
         (["model.name=gpt", "data.name=digits"], "use data.name=text"),
-        (["model.gpt.width=30", "model.gpt.heads=4"], "multiple of the heads"),
+        (["model.gpt.width=30", "model.gpt.heads=4"], "a multiple of heads"),
         (["model.name=mlp"], "use model.name=gpt"),
         (["model.name=gpt", "data.name=diabetes"], "use data.name=text"),
     ],

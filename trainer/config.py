@@ -97,7 +97,7 @@ RANGES: dict[str, Range] = {
     "train.max_steps": Range(1, _STEPS),
     "train.eval_every_steps": Range(0, _STEPS),
     "train.eval_every_epochs": Range(1, 10**6),
-    "train.fp16_init_scale": Range(1.0, 2**64),
+    "train.fp16_init_scale": Range(1.0, 1e38),  # below float32's max
     "train.micro_batch_size": Range(1, _BATCH),
     "train.clip_grad_norm": Range(0.0, 1e6, lo_open=True),
     "dist.timeout_s": Range(1, 7 * 24 * 3600),
