@@ -1,15 +1,23 @@
 """Benchmarks: throughput ratios measured side by side in one run, on one machine.
 
     make bench                                   # the GPU suite on a CUDA machine, else the CPU suite
-    python bench/bench.py --suite cpu --out bench/results
+    python bench/bench.py --suite cpu --reps 3 --out bench/results
+    python bench/bench.py --suite cpu --reps 1 --quick --only "trainer, 1"   # machinery check only
 
-Every row is a real run of `python -m trainer train` (or of the bare loop below) on the same
-machine, in the same invocation; the table prints ratios against a baseline row, and the JSON
-beside it records the machine, library versions and each row's full command. Throughput is the
-steady state: the median of the logged windows after the first two (warm-up, torch.compile).
+Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
+hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
+round-robin: one run of every row per repetition, --reps repetitions, so drift in a shared
+machine's load spreads over all rows. A run's throughput is the steady state: the median of its
+logged windows after the first two (warm-up, torch.compile); the bare loops time windows of the
+same length the same way. Each row reports the median and the min-max over repetitions; the
+ratios divide medians (with the range of the per-repetition ratios). Startup rows time
+`trainer --help` (launch to exit) and launch to the end of the first training step.
 
-The bare loop is the textbook PyTorch loop on the same model and the same device-resident data
-(no sampler, no logging, no checkpoints, no stop checks): trainer / bare is the stack's overhead.
+The bare loops are the textbook PyTorch loop on the same model, optimizer and device-resident
+data, at the same global batch (no sampler, logging, checkpoints or stop checks); at world 2,
+torch.distributed + DistributedDataParallel with each rank slicing its share of the batch:
+trainer / bare is the stack's overhead. The JSON records the machine, its load average before and
+after, library versions and each run's full command and windows.
 """
 
 from __future__ import annotations
@@ -490,7 +498,12 @@ def machine() -> dict:
 
 
 def run_suite(
-    suite: str, out: Path, reps: int = 3, fast: bool = False, only: list[str] | None = None
+    suite: str,
+    out: Path,
+    reps: int = 3,
+    fast: bool = False,
+    only: list[str] | None = None,
+    note: str | None = None,
 ) -> dict:
     rows, specs, base = (
         (gpu_rows(), GPU_RATIOS, GPU_BASE) if suite == "gpu" else (cpu_rows(), CPU_RATIOS, CPU_BASE)
@@ -498,7 +511,7 @@ def run_suite(
     if fast:
         rows = [quick(r) for r in rows]
     if only:
-        rows = [r for r in rows if any(o in r.name for o in only)]
+        rows = [r for r in rows if r.name.startswith(tuple(only))]
     info = machine()
     info["load_avg_before"] = os.getloadavg()
     runs: dict[str, list[dict]] = {r.name: [] for r in rows}
@@ -510,7 +523,10 @@ def run_suite(
             result["load_avg_1m"] = os.getloadavg()[0]
             runs[row.name].append(result)
             fmt = "{:12,.0f}" if row.unit == "samples/s" else "{:12.2f}"
-            print(f"  [{rep + 1}/{reps}] {row.name:44} {fmt.format(result['value'])} {row.unit}")
+            print(
+                f"  [{rep + 1}/{reps}] {row.name:44} {fmt.format(result['value'])} {row.unit}",
+                flush=True,
+            )
     info["load_avg_after"] = os.getloadavg()
     summaries = {name: summarize([r["value"] for r in rs]) for name, rs in runs.items()}
     ratio_values = ratios(summaries, specs)
@@ -540,6 +556,7 @@ def run_suite(
         "suite": suite,
         "quick": fast,
         "reps": reps,
+        "note": note,
         "machine": info,
         "method": (
             "rows run round-robin, one run of every row per repetition; a run's throughput is the "
@@ -597,9 +614,10 @@ def _plot(report: dict, path: Path) -> None:
         ax.tick_params(axis="x", labelsize=8)
     m = report["machine"]
     device = m.get("gpu") or f"CPU x{m['cpu_count']}"
+    load = " / ".join(f"{m[k][0]:.1f}" for k in ("load_avg_before", "load_avg_after") if k in m)
     fig.suptitle(
         f"{report['suite']} suite, {device}, torch {m['torch']}, {report['reps']} repetitions "
-        "(grey: hand-written loop)",
+        f"(grey: hand-written loop)\n1-min load average before / after: {load}",
         fontsize=10,
     )
     fig.tight_layout()
@@ -617,8 +635,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--quick", action="store_true", help="a few steps a row: checks the machinery, no numbers"
     )
+    parser.add_argument("--note", help="a line for the JSON (e.g. what else ran on the machine)")
     parser.add_argument(
-        "--only", action="append", metavar="TEXT", help="run only rows whose name contains TEXT"
+        "--only", action="append", metavar="TEXT", help="run only rows whose name starts with TEXT"
     )
     args = parser.parse_args(argv)
     if args.reps < 1:
@@ -629,7 +648,7 @@ def main(argv: list[str] | None = None) -> int:
 
         suite = "gpu" if torch.cuda.is_available() else "cpu"
     print(f"{suite} suite, {args.reps} repetitions, rows round-robin:", flush=True)
-    report = run_suite(suite, Path(args.out), args.reps, args.quick, args.only)
+    report = run_suite(suite, Path(args.out), args.reps, args.quick, args.only, args.note)
     print(report["table"])
     for r in report["rows"]:
         if "mfu_bf16" in r:
