@@ -77,7 +77,7 @@ format: setup  ## apply the formatter
 	$(BIN)/ruff check --fix trainer tests $(wildcard bench)
 
 bench: setup  ## throughput ratios side by side (GPU suite on a CUDA machine, else CPU) -> bench/results
-	$(BIN)/python bench/bench.py --suite $(or $(SUITE),auto)
+	$(BIN)/python bench/bench.py --suite $(or $(SUITE),auto) --reps $(or $(REPS),3)
 
 tensorboard: setup  ## serve runs/*/tb on http://localhost:6006
 	$(BIN)/tensorboard --logdir runs --bind_all --port 6006

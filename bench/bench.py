@@ -1,20 +1,29 @@
 """Benchmarks: throughput ratios measured side by side in one run, on one machine.
 
     make bench                                   # the GPU suite on a CUDA machine, else the CPU suite
-    python bench/bench.py --suite cpu --out bench/results
+    python bench/bench.py --suite cpu --reps 3 --out bench/results
+    python bench/bench.py --suite cpu --reps 1 --quick --only "trainer, 1"   # machinery check only
 
-Every row is a real run of `python -m trainer train` (or of the bare loop below) on the same
-machine, in the same invocation; the table prints ratios against a baseline row, and the JSON
-beside it records the machine, library versions and each row's full command. Throughput is the
-steady state: the median of the logged windows after the first two (warm-up, torch.compile).
+Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
+hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
+round-robin: one run of every row per repetition, --reps repetitions, so drift in a shared
+machine's load spreads over all rows. A run's throughput is the steady state: the median of its
+logged windows after the first two (warm-up, torch.compile); the bare loops time windows of the
+same length the same way. Each row reports the median and the min-max over repetitions; the
+ratios divide medians (with the range of the per-repetition ratios). Startup rows time
+`trainer --help` (launch to exit) and launch to the end of the first training step.
 
-The bare loop is the textbook PyTorch loop on the same model and the same device-resident data
-(no sampler, no logging, no checkpoints, no stop checks): trainer / bare is the stack's overhead.
+The bare loops are the textbook PyTorch loop on the same model, optimizer and device-resident
+data, at the same global batch (no sampler, logging, checkpoints or stop checks); at world 2,
+torch.distributed + DistributedDataParallel with each rank slicing its share of the batch:
+trainer / bare is the stack's overhead. The JSON records the machine, its load average before and
+after, library versions and each run's full command and windows.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -23,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,132 +93,365 @@ GPU_ROWS = [
     ),
 ]
 
-CPU_BASE = [
-    "--config",
-    "digits-mlp",
+# digits MLP: the step is microseconds of math, so the per-step costs of the stack (and of DDP's
+# gradient exchange) show; data.device_resident=true feeds the trainer the same in-memory tensors
+# the bare loops slice.
+CPU_COMMON = [
     "train.epochs=100",
-    "train.max_steps=600",
-    "log.every_steps=50",
     "ckpt.every_epochs=0",
     "log.tensorboard=false",
     "log.progress=plain",
     "dist.device=cpu",
+    "data.device_resident=true",
 ]
-CPU_ROWS = [
-    ("bare loop, 1 process", "bare", []),
-    ("trainer, 1 process", "trainer", []),
-    ("trainer, 2 processes (DDP, gloo), same global batch", "trainer2", []),
-    ("trainer, 1 process, repro.world_invariant", "trainer", ["repro.world_invariant=true"]),
-    ("trainer, 2 processes, repro.world_invariant", "trainer2", ["repro.world_invariant=true"]),
+CPU_BASE = ["--config", "digits-mlp", *CPU_COMMON, "train.max_steps=600", "log.every_steps=50"]
+# The small GPT (2 blocks of width 128, 32 x 64 bytes a step): ~0.1 s of math a step on 2 cores,
+# against a 1.6 MB gradient all-reduce, so world 2 / world 1 measures data parallelism, not the
+# per-step overhead. The eval split is cut to 4 KiB: only the training windows are timed.
+CPU_GPT = [
+    "--config",
+    "stdlib-gpt",
+    *CPU_COMMON,
+    "data.text.max_test_bytes=4096",
+    "train.max_steps=100",
+    "log.every_steps=10",
+]
+QUICK = {  # --quick: a smoke test of the machinery, not a measurement
+    "train.max_steps=600": "train.max_steps=60",
+    "log.every_steps=50": "log.every_steps=10",
+    "train.max_steps=100": "train.max_steps=12",
+    "log.every_steps=10": "log.every_steps=3",
+    "train.max_steps=300": "train.max_steps=30",
+    "log.every_steps=20": "log.every_steps=5",
+}
+WI = ("repro.world_invariant=true",)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One benchmark row: how to launch it and which number to take from each run."""
+
+    name: str
+    kind: str  # "trainer" | "bare" | "help"
+    overrides: tuple[str, ...] = ()
+    nproc: int = 1
+    threads: int | None = 1  # OMP_NUM_THREADS per process; None: 1 unless the user set it
+    metric: str = "samples_per_s"  # | "first_step_s" (launch to first step) | "wall_s"
+    group: str = "throughput"
+
+    @property
+    def unit(self) -> str:
+        return "samples/s" if self.metric == "samples_per_s" else "s"
+
+
+def _first_step(base: list[str]) -> tuple[str, ...]:
+    """`base` cut to one logged step: the first train record is written when step 1 ends."""
+    keep = [a for a in base if not a.startswith(("train.max_steps=", "log.every_steps="))]
+    return (*keep, "train.max_steps=1", "log.every_steps=1")
+
+
+def cpu_rows() -> list[Row]:
+    mlp, gpt, one = tuple(CPU_BASE), tuple(CPU_GPT), _first_step(CPU_BASE)
+    g_mlp, g_gpt, g_start = "digits MLP", "small GPT, 2 cores", "startup"
+    return [
+        Row("bare loop, 1 process", "bare", mlp, group=g_mlp),
+        Row("trainer, 1 process", "trainer", mlp, group=g_mlp),
+        Row("bare DDP loop, 2 processes (gloo)", "bare", mlp, 2, group=g_mlp),
+        Row("trainer, 2 processes (DDP, gloo)", "trainer", mlp, 2, group=g_mlp),
+        Row("trainer, 1 process, world_invariant", "trainer", mlp + WI, group=g_mlp),
+        Row("trainer, 2 processes, world_invariant", "trainer", mlp + WI, 2, group=g_mlp),
+        Row("GPT trainer, 1 process x 2 threads", "trainer", gpt, 1, threads=2, group=g_gpt),
+        Row("GPT trainer, 2 processes x 1 thread", "trainer", gpt, 2, threads=1, group=g_gpt),
+        Row("trainer --help", "help", metric="wall_s", group=g_start),
+        Row("bare loop, 1 process: to 1st step", "bare", one, metric="first_step_s", group=g_start),
+        Row(
+            "trainer, 1 process: to 1st step", "trainer", one, metric="first_step_s", group=g_start
+        ),
+        Row(
+            "bare DDP, 2 processes: to 1st step",
+            "bare",
+            one,
+            2,
+            metric="first_step_s",
+            group=g_start,
+        ),
+        Row(
+            "trainer, 2 processes: to 1st step",
+            "trainer",
+            one,
+            2,
+            metric="first_step_s",
+            group=g_start,
+        ),
+    ]
+
+
+# (ratio, numerator row, denominator row, target): ratios of the rows' medians.
+CPU_RATIOS = [
+    ("trainer / bare, world 1", "trainer, 1 process", "bare loop, 1 process", 0.97),
+    (
+        "trainer / bare, world 2",
+        "trainer, 2 processes (DDP, gloo)",
+        "bare DDP loop, 2 processes (gloo)",
+        0.97,
+    ),
+    (
+        "MLP world 2 / world 1, trainer",
+        "trainer, 2 processes (DDP, gloo)",
+        "trainer, 1 process",
+        None,
+    ),
+    (
+        "MLP world 2 / world 1, bare",
+        "bare DDP loop, 2 processes (gloo)",
+        "bare loop, 1 process",
+        None,
+    ),
+    (
+        "GPT world 2 (1 thread) / world 1 (2 threads)",
+        "GPT trainer, 2 processes x 1 thread",
+        "GPT trainer, 1 process x 2 threads",
+        0.90,
+    ),
+    (
+        "world_invariant / plain, world 1",
+        "trainer, 1 process, world_invariant",
+        "trainer, 1 process",
+        None,
+    ),
+    (
+        "world_invariant / plain, world 2",
+        "trainer, 2 processes, world_invariant",
+        "trainer, 2 processes (DDP, gloo)",
+        None,
+    ),
 ]
 
 
-# --- the bare loop ----------------------------------------------------------------------------
+def gpu_rows() -> list[Row]:
+    rows = [
+        Row(name, kind, (*GPU_BASE, *extra), threads=None, group="ResNet-18")
+        for name, kind, extra in GPU_ROWS
+    ]
+    one = _first_step(GPU_BASE)
+    return [
+        *rows,
+        Row("trainer --help", "help", metric="wall_s", threads=None, group="startup"),
+        Row(
+            "bare loop: to 1st step",
+            "bare",
+            one,
+            metric="first_step_s",
+            threads=None,
+            group="startup",
+        ),
+        Row(
+            "trainer: to 1st step",
+            "trainer",
+            one,
+            metric="first_step_s",
+            threads=None,
+            group="startup",
+        ),
+    ]
 
 
-def bare_loop(overrides: list[str], steps: int, warmup: int) -> dict:
-    """The textbook loop on the trainer's own model and data: samples/s over `steps` timed steps."""
-    import torch
-    import torch.nn.functional as F
+GPU_RATIOS = [
+    ("trainer / bare loop, fp32", "trainer fp32", "bare loop fp32", 0.97),
+    (
+        "trainer / bare loop, bf16+cl+compile",
+        "trainer bf16 + channels_last + compile",
+        "bare loop bf16 + channels_last + compile",
+        0.97,
+    ),
+    (
+        "device-resident / host batches, fp32",
+        "trainer fp32",
+        "trainer fp32, host batches (pinned)",
+        None,
+    ),
+    ("bf16+cl+compile / fp32", "trainer bf16 + channels_last + compile", "trainer fp32", None),
+    (
+        "world_invariant / plain, deterministic fp32",
+        "trainer fp32, repro.deterministic + world_invariant",
+        "trainer fp32, repro.deterministic",
+        None,
+    ),
+]
 
-    from trainer import config, data, models, optim
 
-    cfg = config.load(None, overrides)
-    device = "cuda" if cfg.dist.device != "cpu" and torch.cuda.is_available() else "cpu"
-    torch.manual_seed(cfg.seed)
-    spec = data.build(cfg.data, cfg.seed, "cpu")
-    ds = spec.train
-    x = data.pixels_to_float(ds.x, ds.mean, ds.std).to(device)
-    y = ds.y.to(device)
-    model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
-    if cfg.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
-        x = x.contiguous(memory_format=torch.channels_last)
-    opt = optim.build_optimizer(cfg.optim, model.parameters())
-    net = torch.compile(model) if cfg.train.compile else model
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    batch, n = cfg.data.global_batch_size, len(x)
-    perm = torch.randperm(n, device=device)
+def quick(row: Row) -> Row:
+    return dataclasses.replace(row, overrides=tuple(QUICK.get(a, a) for a in row.overrides))
 
-    def step(i: int) -> None:
-        start = (i * batch) % (n - batch)
-        idx = perm[start : start + batch]
-        with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
-            loss = F.cross_entropy(net(x[idx]), y[idx])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    for i in range(warmup):
-        step(i)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for i in range(steps):
-            step(warmup + i)
-        end.record()
-        torch.cuda.synchronize()
-        seconds = start.elapsed_time(end) / 1000
+# --- the pure parts: windows, medians, alternation, ratios --------------------------------------
+
+SKIP_WINDOWS = 2  # warm-up (allocator, first-touch, torch.compile): dropped from every run
+
+
+def steady(windows: list[float], skip: int = SKIP_WINDOWS) -> float:
+    """The steady-state rate of one run: the median of its windows after the first `skip`."""
+    kept = windows[skip:] or windows[-1:]
+    if not kept:
+        raise ValueError("no throughput windows")
+    return statistics.median(kept)
+
+
+def train_windows(metrics_jsonl: str) -> list[float]:
+    """samples/s of each train record in a metrics.jsonl text, in order."""
+    records = [json.loads(line) for line in metrics_jsonl.splitlines() if line.strip()]
+    return [r["samples_per_s"] for r in records if r.get("kind") == "train"]
+
+
+def first_step_time(metrics_jsonl: str) -> float | None:
+    """The wall clock (time.time()) of the step-1 train record, None if step 1 was not logged."""
+    for line in metrics_jsonl.splitlines():
+        if line.strip():
+            r = json.loads(line)
+            if r.get("kind") == "train":
+                return r["time"] if r.get("step") == 1 else None
+    return None
+
+
+def summarize(values: list[float]) -> dict:
+    """Median and spread (min, max, interquartile range) of one row's repetitions."""
+    if not values:
+        raise ValueError("no values")
+    ordered = sorted(values)
+    if len(ordered) >= 2:
+        q1, _, q3 = statistics.quantiles(ordered, n=4, method="inclusive")
     else:
-        t = time.perf_counter()
-        for i in range(steps):
-            step(warmup + i)
-        seconds = time.perf_counter() - t
-    out = {"samples_per_s": steps * batch / seconds}
-    if device == "cuda":
-        out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        q1 = q3 = ordered[0]
+    return {
+        "median": statistics.median(ordered),
+        "min": ordered[0],
+        "max": ordered[-1],
+        "q1": q1,
+        "q3": q3,
+        "n": len(ordered),
+        "values": list(values),
+    }
+
+
+def alternation(n_rows: int, reps: int) -> list[tuple[int, int]]:
+    """(rep, row index) in run order: round-robin, every row once per repetition, so slow drift
+    in the machine's load spreads over all rows instead of landing on the last ones."""
+    return [(rep, i) for rep in range(reps) for i in range(n_rows)]
+
+
+def ratios(summaries: dict[str, dict], specs: list) -> dict[str, dict]:
+    """Each ratio of medians, with the range of its per-repetition ratios (rows run side by side
+    in each repetition); ratios whose rows were not run are left out."""
+    out = {}
+    for name, num, den, target in specs:
+        if num not in summaries or den not in summaries:
+            continue
+        a, b = summaries[num], summaries[den]
+        per_rep = [x / y for x, y in zip(a["values"], b["values"], strict=False) if y]
+        out[name] = {
+            "value": a["median"] / b["median"],
+            "per_rep_min": min(per_rep) if per_rep else None,
+            "per_rep_max": max(per_rep) if per_rep else None,
+            "numerator": num,
+            "denominator": den,
+            "target": target,
+        }
     return out
 
 
-# --- rows ---------------------------------------------------------------------------------------
+def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict) -> str:
+    lines = [f"  {'row':44} {'median':>10} {'min':>10} {'max':>10}  unit       n"]
+    for row in rows:
+        s = summaries.get(row.name)
+        if s is None:
+            continue
+        fmt = "{:10,.0f}" if row.unit == "samples/s" else "{:10.2f}"
+        cells = " ".join(fmt.format(s[k]) for k in ("median", "min", "max"))
+        lines.append(f"  {row.name:44} {cells}  {row.unit:9} {s['n']:2d}")
+    lines.append("ratios of medians (per-repetition range; target):")
+    for name, r in ratio_values.items():
+        rng = (
+            f"[{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}]"
+            if r["per_rep_min"] is not None
+            else ""
+        )
+        target = f">= {r['target']:.2f}" if r["target"] is not None else ""
+        lines.append(f"  {name:46} {r['value']:6.3f}  {rng:15} {target}")
+    return "\n".join(lines)
 
 
-def _env() -> dict:
+# --- running the rows ---------------------------------------------------------------------------
+
+
+def _env(threads: int | None) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
+    if threads is None:
+        env.setdefault("OMP_NUM_THREADS", "1")
+    else:
+        env["OMP_NUM_THREADS"] = str(threads)
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     return env
 
 
-def run_trainer(overrides: list[str], nproc: int, work: Path) -> dict:
-    run_dir = work / f"run-{time.monotonic_ns()}"
-    args = ["-m", "trainer", "train", *overrides, f"run_dir={run_dir}"]
+def _launcher(nproc: int) -> list[str]:
     if nproc == 1:
-        cmd = [sys.executable, *args]
-    else:
-        torchrun = Path(sys.executable).with_name("torchrun")
-        cmd = [str(torchrun), "--standalone", f"--nproc-per-node={nproc}", *args]
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+        return [sys.executable]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    return [str(torchrun), "--standalone", f"--nproc-per-node={nproc}"]
+
+
+def _override(overrides: tuple[str, ...], key: str) -> int:
+    return int(next(a.split("=", 1)[1] for a in overrides if a.startswith(key + "=")))
+
+
+def _run(cmd: list[str], threads: int | None) -> tuple[float, float, subprocess.CompletedProcess]:
+    launched = time.time()
+    t = time.perf_counter()
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+    wall = time.perf_counter() - t
     if p.returncode != 0:
         raise SystemExit(
             f"benchmark row failed: {' '.join(cmd)}\n{p.stdout[-2000:]}\n{p.stderr[-2000:]}"
         )
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    windows = [r["samples_per_s"] for r in records if r["kind"] == "train"][2:]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    return {
-        "samples_per_s": statistics.median(windows),
-        "peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"),
+    return launched, wall, p
+
+
+def run_row(row: Row, work: Path) -> dict:
+    """Launch one run of `row`; {"value": its number, ...what else was measured}."""
+    if row.kind == "help":
+        cmd = [str(Path(sys.executable).with_name("trainer")), "--help"]
+        _, wall, _ = _run(cmd, row.threads)
+        return {"value": wall, "wall_s": wall, "command": " ".join(cmd)}
+    if row.kind == "bare":
+        steps = _override(row.overrides, "train.max_steps")
+        every = _override(row.overrides, "log.every_steps")
+        args = [str(ROOT / "bench" / "bare.py"), str(steps), str(every), *row.overrides]
+        cmd = [*_launcher(row.nproc), *args]
+        launched, wall, p = _run(cmd, row.threads)
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        windows, first = out.pop("windows"), out.pop("first_step_time")
+    else:
+        run_dir = work / f"run-{time.monotonic_ns()}"
+        cmd = [*_launcher(row.nproc), "-m", "trainer", "train", *row.overrides]
+        cmd.append(f"run_dir={run_dir}")
+        launched, wall, _ = _run(cmd, row.threads)
+        text = (run_dir / "metrics.jsonl").read_text()
+        windows, first = train_windows(text), first_step_time(text)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        out = {"peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib")}
+    result = {
+        **out,
+        "windows": windows,
+        "samples_per_s": steady(windows) if windows else None,
+        "first_step_s": first - launched if first is not None else None,
+        "wall_s": wall,
         "command": " ".join(cmd),
     }
-
-
-def run_bare(overrides: list[str], steps: int, warmup: int) -> dict:
-    code = (
-        f"import json, sys; sys.path.insert(0, {str(ROOT / 'bench')!r}); import bench; "
-        f"print(json.dumps(bench.bare_loop({overrides!r}, {steps}, {warmup})))"
-    )
-    p = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"bare loop failed:\n{p.stderr[-3000:]}")
-    return {
-        **json.loads(p.stdout.strip().splitlines()[-1]),
-        "command": f"bench.bare_loop({overrides})",
-    }
+    result["value"] = result[row.metric]
+    if result["value"] is None:
+        raise SystemExit(f"benchmark row {row.name!r} measured no {row.metric}")
+    return result
 
 
 def flops_per_sample(overrides: list[str]) -> float | None:
@@ -254,70 +497,83 @@ def machine() -> dict:
     return info
 
 
-def run_suite(suite: str, out: Path) -> dict:
-    base, rows = (GPU_BASE, GPU_ROWS) if suite == "gpu" else (CPU_BASE, CPU_ROWS)
+def run_suite(
+    suite: str,
+    out: Path,
+    reps: int = 3,
+    fast: bool = False,
+    only: list[str] | None = None,
+    note: str | None = None,
+) -> dict:
+    rows, specs, base = (
+        (gpu_rows(), GPU_RATIOS, GPU_BASE) if suite == "gpu" else (cpu_rows(), CPU_RATIOS, CPU_BASE)
+    )
+    if fast:
+        rows = [quick(r) for r in rows]
+    if only:
+        rows = [r for r in rows if r.name.startswith(tuple(only))]
     info = machine()
-    steps = next(int(a.split("=")[1]) for a in base if a.startswith("train.max_steps="))
-    results = []
+    info["load_avg_before"] = os.getloadavg()
+    runs: dict[str, list[dict]] = {r.name: [] for r in rows}
     with tempfile.TemporaryDirectory() as work:
-        for name, kind, extra in rows:
-            overrides = [*base, *extra]
-            clean = [a for a in overrides if a not in ("--config", "digits-mlp")]
-            if kind == "bare":
-                row = run_bare(clean, steps=steps - 40, warmup=40)
-            else:
-                row = run_trainer(overrides, 2 if kind == "trainer2" else 1, Path(work))
-            results.append({"name": name, "overrides": overrides, **row})
-            print(f"  {name:48} {row['samples_per_s']:12,.0f} samples/s", flush=True)
-    fps = flops_per_sample([a for a in base if a not in ("--config", "digits-mlp")])
+        for rep, i in alternation(len(rows), reps):
+            row = rows[i]
+            result = run_row(row, Path(work))
+            result["rep"] = rep
+            result["load_avg_1m"] = os.getloadavg()[0]
+            runs[row.name].append(result)
+            fmt = "{:12,.0f}" if row.unit == "samples/s" else "{:12.2f}"
+            print(
+                f"  [{rep + 1}/{reps}] {row.name:44} {fmt.format(result['value'])} {row.unit}",
+                flush=True,
+            )
+    info["load_avg_after"] = os.getloadavg()
+    summaries = {name: summarize([r["value"] for r in rs]) for name, rs in runs.items()}
+    ratio_values = ratios(summaries, specs)
+    try:
+        fps = flops_per_sample([a for a in base if a not in ("--config", "digits-mlp")])
+    except Exception:  # MFU is optional
+        fps = None
     peak = next((v for k, v in BF16_PEAK.items() if k in info.get("gpu", "")), None)
-    baseline = results[1]["samples_per_s"]  # "trainer fp32" / "trainer, 1 process"
-    for r in results:
-        r["vs_trainer_baseline"] = r["samples_per_s"] / baseline
-        if peak and fps and "bf16" in r["name"]:
-            r["mfu_bf16"] = r["samples_per_s"] * fps / peak
-    by_name = {r["name"]: r for r in results}
-    ratios = {}
-    if suite == "gpu":
-        ratios["trainer / bare loop, fp32"] = (
-            by_name["trainer fp32"]["samples_per_s"] / by_name["bare loop fp32"]["samples_per_s"]
-        )
-        ratios["trainer / bare loop, bf16+cl+compile"] = (
-            by_name["trainer bf16 + channels_last + compile"]["samples_per_s"]
-            / by_name["bare loop bf16 + channels_last + compile"]["samples_per_s"]
-        )
-        ratios["device-resident / host batches, fp32"] = (
-            by_name["trainer fp32"]["samples_per_s"]
-            / by_name["trainer fp32, host batches (pinned)"]["samples_per_s"]
-        )
-        ratios["bf16+cl+compile / fp32"] = (
-            by_name["trainer bf16 + channels_last + compile"]["samples_per_s"] / baseline
-        )
-        ratios["world_invariant / plain, deterministic fp32"] = (
-            by_name["trainer fp32, repro.deterministic + world_invariant"]["samples_per_s"]
-            / by_name["trainer fp32, repro.deterministic"]["samples_per_s"]
-        )
-    else:
-        ratios["trainer / bare loop"] = (
-            by_name["trainer, 1 process"]["samples_per_s"]
-            / by_name["bare loop, 1 process"]["samples_per_s"]
-        )
-        ratios["2 processes / 1 process"] = results[2]["samples_per_s"] / baseline
-        ratios["world_invariant / plain, 1 process"] = results[3]["samples_per_s"] / baseline
-        ratios["world_invariant / plain, 2 processes"] = (
-            results[4]["samples_per_s"] / results[2]["samples_per_s"]
-        )
+    results = []
+    for row in rows:
+        entry = {
+            "name": row.name,
+            "group": row.group,
+            "kind": row.kind,
+            "processes": row.nproc,
+            "threads_per_process": row.threads,
+            "metric": row.metric,
+            "unit": row.unit,
+            "overrides": list(row.overrides),
+            **summaries[row.name],
+            "runs": runs[row.name],
+        }
+        if peak and fps and "bf16" in row.name and row.metric == "samples_per_s":
+            entry["mfu_bf16"] = entry["median"] * fps / peak
+        results.append(entry)
     report = {
         "suite": suite,
+        "quick": fast,
+        "reps": reps,
+        "note": note,
         "machine": info,
+        "method": (
+            "rows run round-robin, one run of every row per repetition; a run's throughput is the "
+            f"median of its logged windows after the first {SKIP_WINDOWS}; each row reports the "
+            "median and range over repetitions; ratios divide medians. first_step_s: from just "
+            "before the launch (time.time()) to the step-1 record (trainer: metrics.jsonl; bare: "
+            "the loop's own clock). OMP_NUM_THREADS is set per row (threads_per_process)."
+        ),
         "flops_per_sample": fps,
         "rows": results,
-        "ratios": ratios,
+        "ratios": ratio_values,
     }
     out.mkdir(parents=True, exist_ok=True)
     slug = (info.get("gpu") or "cpu").replace(" ", "-").lower()
     (out / f"{suite}-{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot(report, out / f"{suite}-{slug}.png")
+    report["table"] = format_table(rows, summaries, ratio_values)
     return report
 
 
@@ -330,41 +586,79 @@ def _plot(report: dict, path: Path) -> None:
     except ImportError:
         print(f"  (matplotlib not installed: no {path.name})")
         return
-    rows = report["rows"]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(rows) + 1.2))
-    ax.barh(
-        [r["name"] for r in rows][::-1], [r["samples_per_s"] for r in rows][::-1], color="#4878a8"
+    groups: dict[str, list[dict]] = {}
+    for r in report["rows"]:
+        groups.setdefault(r["group"], []).append(r)
+    heights = [len(rs) for rs in groups.values()]
+    fig, axes = plt.subplots(
+        len(groups),
+        1,
+        figsize=(9.5, 0.42 * sum(heights) + 1.0 * len(groups) + 0.6),
+        gridspec_kw={"height_ratios": heights},
+        squeeze=False,
     )
-    ax.set_xlabel("samples/s (steady state)")
+    for ax, (group, rs) in zip(axes[:, 0], groups.items(), strict=True):
+        rs = rs[::-1]
+        med = [r["median"] for r in rs]
+        err = [[r["median"] - r["min"] for r in rs], [r["max"] - r["median"] for r in rs]]
+        colors = ["#9a9a9a" if r["kind"] == "bare" else "#4878a8" for r in rs]
+        ax.barh([r["name"] for r in rs], med, xerr=err, color=colors, capsize=3, height=0.6)
+        unit = rs[0]["unit"]
+        for y, r in enumerate(rs):
+            label = f"{r['median']:,.0f}" if unit == "samples/s" else f"{r['median']:.2f} s"
+            ax.text(r["max"], y, "  " + label, va="center", fontsize=8)
+        ax.set_xlim(0, max(r["max"] for r in rs) * 1.18)
+        what = "steady-state samples/s" if unit == "samples/s" else "seconds"
+        ax.set_title(f"{group}: {what} (bar: median, whiskers: min-max)", fontsize=9, loc="left")
+        ax.tick_params(axis="y", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8)
     m = report["machine"]
-    ax.set_title(
-        f"{report['suite']} suite: {m.get('gpu') or 'CPU x' + str(m['cpu_count'])}, torch {m['torch']}"
+    device = m.get("gpu") or f"CPU x{m['cpu_count']}"
+    load = " / ".join(f"{m[k][0]:.1f}" for k in ("load_avg_before", "load_avg_after") if k in m)
+    fig.suptitle(
+        f"{report['suite']} suite, {device}, torch {m['torch']}, {report['reps']} repetitions "
+        f"(grey: hand-written loop)\n1-min load average before / after: {load}",
+        fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--suite", choices=("auto", "cpu", "gpu"), default="auto")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    args = parser.parse_args()
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few steps a row: checks the machinery, no numbers"
+    )
+    parser.add_argument("--note", help="a line for the JSON (e.g. what else ran on the machine)")
+    parser.add_argument(
+        "--only", action="append", metavar="TEXT", help="run only rows whose name starts with TEXT"
+    )
+    args = parser.parse_args(argv)
+    if args.reps < 1:
+        parser.error("--reps must be >= 1")
     suite = args.suite
     if suite == "auto":
         import torch
 
         suite = "gpu" if torch.cuda.is_available() else "cpu"
-    print(f"{suite} suite:")
-    report = run_suite(suite, Path(args.out))
-    print("ratios (measured side by side in this run):")
-    for name, value in report["ratios"].items():
-        print(f"  {name:42} {value:6.3f}")
+    print(f"{suite} suite, {args.reps} repetitions, rows round-robin:", flush=True)
+    report = run_suite(suite, Path(args.out), args.reps, args.quick, args.only, args.note)
+    print(report["table"])
     for r in report["rows"]:
         if "mfu_bf16" in r:
             print(f"  MFU (bf16 dense peak) {r['name']:38} {r['mfu_bf16']:6.1%}")
+    m = report["machine"]
+    print(
+        "load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
+            *m["load_avg_before"], *m["load_avg_after"]
+        )
+    )
     return 0
 
 

@@ -1,0 +1,110 @@
+"""The hand-written loop the trainer is measured against: one process, or DDP under torchrun.
+
+    python bench/bare.py STEPS EVERY [--config NAME] OVERRIDE...          # world 1
+    torchrun --standalone --nproc-per-node=2 bench/bare.py STEPS EVERY ...   # DDP (gloo on CPU)
+
+The textbook way, on the trainer's own model, optimizer and data (built from the same config
+overrides): the whole training split as one normalised tensor on the device, one shared random
+permutation, and each step a plain slice of it: the global batch at world 1, rank r's contiguous
+share of it under DDP (torch.distributed + DistributedDataParallel, same global batch). No
+sampler, logging, checkpoints or stop checks.
+
+It times windows of EVERY steps like the trainer's log records (the device synchronised at each
+window's edges) and prints one JSON line on rank 0: the windows' global samples/s, and the wall
+clock (time.time()) when the first step finished, for the launch-to-first-step startup row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str]) -> int:
+    steps, every, overrides = int(argv[0]), int(argv[1]), argv[2:]
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from trainer import config, data, models, optim
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    name = None
+    if overrides[:1] == ["--config"]:
+        name, overrides = overrides[1], overrides[2:]
+    cfg = config.load(name, overrides)
+    cuda = cfg.dist.device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    else:
+        device = "cpu"
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    torch.manual_seed(cfg.seed)  # same model init and permutation on every rank
+    spec = data.build(cfg.data, cfg.seed, "cpu")
+    ds = spec.train
+    x = data.pixels_to_float(ds.x, ds.mean, ds.std).to(device)
+    y = ds.y.to(device)
+    model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
+    if cfg.train.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+        x = x.contiguous(memory_format=torch.channels_last)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = optim.build_optimizer(cfg.optim, model.parameters())
+    net = torch.compile(model) if cfg.train.compile else model
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
+    batch, n = cfg.data.global_batch_size, len(x)
+    share = batch // world
+    perm = torch.randperm(n, device=device)
+
+    def step(i: int) -> None:
+        start = (i * batch) % (n - batch)
+        idx = perm[start + rank * share : start + (rank + 1) * share]
+        with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(net(x[idx]), y[idx])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    windows: list[float] = []
+    first_step_time = None
+    sync()
+    t = time.perf_counter()
+    for i in range(steps):
+        step(i)
+        if i == 0:
+            sync()
+            first_step_time = time.time()
+        if (i + 1) % every == 0:
+            sync()
+            now = time.perf_counter()
+            windows.append(every * share * world / (now - t))
+            t = now
+    out = {
+        "windows": windows,
+        "first_step_time": first_step_time,
+        "threads": torch.get_num_threads(),
+        "world_size": world,
+    }
+    if cuda:
+        out["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    if world > 1:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

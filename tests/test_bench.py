@@ -1,0 +1,122 @@
+"""bench/bench.py: the pure parts (windows, medians, alternation, ratios) and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_under_test", ROOT / "bench" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve the module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load_bench()
+
+
+def test_steady_drops_the_warm_up_windows_and_takes_the_median():
+    assert bench.steady([1.0, 2.0, 10.0, 30.0, 20.0]) == 20.0
+    assert bench.steady([1.0, 2.0, 10.0, 30.0]) == 20.0  # even count: the mean of the middle two
+    assert bench.steady([5.0, 7.0]) == 7.0  # too short to drop both: the last window
+    with pytest.raises(ValueError):
+        bench.steady([])
+
+
+def test_summarize_median_and_spread():
+    s = bench.summarize([3.0, 1.0, 2.0, 10.0])
+    assert s["median"] == 2.5
+    assert (s["min"], s["max"]) == (1.0, 10.0)
+    assert s["q1"] == 1.75 and s["q3"] == 4.75  # inclusive quartiles
+    assert s["n"] == 4 and s["values"] == [3.0, 1.0, 2.0, 10.0]  # run order kept
+    one = bench.summarize([4.0])
+    assert one["median"] == one["min"] == one["max"] == one["q1"] == one["q3"] == 4.0
+
+
+def test_alternation_is_round_robin():
+    assert bench.alternation(3, 2) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    order = bench.alternation(13, 3)
+    assert len(order) == 39 and len(set(order)) == 39
+    # every row runs once per repetition before any row runs again
+    assert [i for _, i in order[:13]] == list(range(13))
+
+
+def test_ratios_of_medians_with_per_rep_range_and_missing_rows_left_out():
+    summaries = {
+        "a": bench.summarize([90.0, 100.0, 80.0]),
+        "b": bench.summarize([100.0, 100.0, 100.0]),
+    }
+    specs = [("a / b", "a", "b", 0.97), ("a / missing", "a", "c", None)]
+    r = bench.ratios(summaries, specs)
+    assert list(r) == ["a / b"]
+    assert r["a / b"]["value"] == pytest.approx(0.9)
+    assert (r["a / b"]["per_rep_min"], r["a / b"]["per_rep_max"]) == (0.8, 1.0)
+    assert r["a / b"]["target"] == 0.97
+    table = bench.format_table([bench.Row("a", "trainer"), bench.Row("b", "bare")], summaries, r)
+    assert "a / b" in table and "0.900" in table and "[0.800-1.000]" in table and ">= 0.97" in table
+
+
+def test_metrics_jsonl_windows_and_first_step():
+    lines = [
+        {"kind": "train", "step": 1, "samples_per_s": 10.0, "time": 100.5},
+        {"kind": "eval", "step": 1, "eval.loss": 1.0, "time": 101.0},
+        {"kind": "train", "step": 2, "samples_per_s": 20.0, "time": 102.0},
+    ]
+    text = "\n".join(json.dumps(r) for r in lines) + "\n"
+    assert bench.train_windows(text) == [10.0, 20.0]
+    assert bench.first_step_time(text) == 100.5
+    later = "\n".join(json.dumps(r) for r in lines[2:])
+    assert bench.first_step_time(later) is None  # first record is not step 1: no startup number
+
+
+def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
+    for rows, specs in ((bench.cpu_rows(), bench.CPU_RATIOS), (bench.gpu_rows(), bench.GPU_RATIOS)):
+        names = {r.name for r in rows}
+        assert len(names) == len(rows)
+        for _, num, den, _ in specs:
+            assert num in names and den in names
+    for row in bench.cpu_rows():
+        q = bench.quick(row)
+        if row.kind != "help":
+            assert bench._override(q.overrides, "train.max_steps") <= 60
+    gpt = {r.name: r for r in bench.cpu_rows()}
+    assert gpt["GPT trainer, 1 process x 2 threads"].threads == 2
+    assert gpt["GPT trainer, 2 processes x 1 thread"].nproc == 2
+    assert gpt["GPT trainer, 2 processes x 1 thread"].threads == 1
+    first = gpt["trainer, 1 process: to 1st step"].overrides
+    assert "train.max_steps=1" in first and "log.every_steps=1" in first
+    assert not any(a in first for a in ("train.max_steps=600", "log.every_steps=50"))
+
+
+@pytest.mark.slow
+def test_quick_suite_end_to_end(tmp_path):
+    """One repetition of the 1-process rows with a few steps each: JSON, PNG and table."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "cpu", "--reps", "1"]
+    cmd += ["--quick", "--out", str(tmp_path), "--only", "bare loop, 1 process", "--only"]
+    cmd += ["trainer, 1 process", "--only", "trainer --help"]
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp_path / "cpu-cpu.json").read_text())
+    names = [r["name"] for r in report["rows"]]
+    assert names == [
+        "bare loop, 1 process",
+        "trainer, 1 process",
+        "trainer, 1 process, world_invariant",
+        "trainer --help",
+        "bare loop, 1 process: to 1st step",
+        "trainer, 1 process: to 1st step",
+    ]
+    for row in report["rows"]:
+        assert row["n"] == 1 and row["median"] > 0
+    assert list(report["ratios"]) == ["trainer / bare, world 1", "world_invariant / plain, world 1"]
+    assert (tmp_path / "cpu-cpu.png").stat().st_size > 0
+    assert "trainer / bare, world 1" in p.stdout
