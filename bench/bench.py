@@ -37,8 +37,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Dense bf16 tensor-core peaks (FLOP/s) for MFU; unknown devices get no MFU column.
-BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}
 
 GPU_BASE = [
     "data.name=synthetic",
@@ -534,7 +532,9 @@ def run_suite(
         fps = flops_per_sample([a for a in base if a not in ("--config", "digits-mlp")])
     except Exception:  # MFU is optional
         fps = None
-    peak = next((v for k, v in BF16_PEAK.items() if k in info.get("gpu", "")), None)
+    from trainer.perf import peak_flops  # the trainer's table of dense peaks: one source
+
+    peak = peak_flops(info.get("gpu"), "bf16")
     results = []
     for row in rows:
         entry = {
