@@ -18,7 +18,7 @@ import torch
 
 from trainer import metrics, ranks, repro
 from trainer.checkpoint import store
-from trainer.checkpoint.weights import load_weights_into
+from trainer.checkpoint.weights import flatten, load_weights_into
 from trainer.config import Config, to_dict, to_yaml
 from trainer.errors import (
     ConfigError,
@@ -89,19 +89,9 @@ class CheckpointWriteError(RetryableError):
 WRITABLE_FIX = "point ckpt.dir (default <run_dir>/checkpoints) at writable storage"
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """'key: saved -> current' for every change a resume cannot honour exactly."""
-    a, b = _flatten(saved), _flatten(current)
+    a, b = flatten(saved), flatten(current)
     diffs = []
     for key in sorted(a.keys() | b.keys()):
         if key.startswith(RESUMABLE_CHANGES) or a.get(key) == b.get(key):

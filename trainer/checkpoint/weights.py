@@ -131,11 +131,12 @@ _LIKELY_KEY = {
 }
 
 
-def _flat(d: dict, prefix: str) -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """Nested dicts -> {"a.b.c": value} (config comparisons)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -148,7 +149,7 @@ def config_hint(path: str, model_cfg=None) -> str:
         return "check model.* matches the run that saved them"
     from omegaconf import OmegaConf
 
-    here = _flat(OmegaConf.to_container(OmegaConf.structured(model_cfg)), "model.")
+    here = flatten(OmegaConf.to_container(OmegaConf.structured(model_cfg)), "model.")
     saved_path = find_config(path)
     saved = None
     if saved_path:
@@ -157,7 +158,7 @@ def config_hint(path: str, model_cfg=None) -> str:
         except Exception:  # an unreadable config.yaml only costs the hint its precision
             saved = None
     if isinstance(saved, dict):
-        there = _flat(saved, "model.")
+        there = flatten(saved, "model.")
         diffs = [
             f"{k} ({there.get(k)!r} in {saved_path}, {here.get(k)!r} here)"
             for k in sorted(there.keys() | here.keys())
