@@ -59,31 +59,44 @@ def _record(kind: str, text: str, environ=None) -> None:
         pass  # the status file is a courtesy to the launcher; never mask the real exit
 
 
-def node_message(folder: str, code: int) -> str | None:
-    """The line the lowest rank of the LAST attempt that exited with `code` left, if any."""
+def _rank_codes(folder: str) -> dict[tuple[int, int], int]:
+    """{(attempt, rank): exit code} from the *.exit files the ranks left in `folder`."""
     import os
     import re
 
-    found: dict[tuple[int, int], str] = {}
+    codes: dict[tuple[int, int], int] = {}
     try:
         names = os.listdir(folder)
     except OSError:
-        return None
+        return codes
     for name in names:
-        m = re.match(r"^attempt-(\d+)\.rank-(\d+)\.msg$", name)
+        m = re.match(r"^attempt-(\d+)\.rank-(\d+)\.exit$", name)
         if not m:
             continue
-        base = os.path.join(folder, name[: -len(".msg")])
         try:
-            with open(base + ".exit") as f:
-                if int(f.read().strip()) != code:
-                    continue
-            with open(base + ".msg", encoding="utf-8", errors="replace") as f:
-                line = f.read().strip()
+            with open(os.path.join(folder, name)) as f:
+                codes[(int(m.group(1)), int(m.group(2)))] = int(f.read().strip())
         except (OSError, ValueError):
             continue
+    return codes
+
+
+def node_message(folder: str, code: int) -> str | None:
+    """The line the lowest rank of the LAST attempt that exited with `code` left, if any."""
+    import os
+
+    found: dict[tuple[int, int], str] = {}
+    for (attempt, rank), rank_code in _rank_codes(folder).items():
+        if rank_code != code:
+            continue
+        path = os.path.join(folder, f"attempt-{attempt}.rank-{rank}.msg")
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                line = f.read().strip()
+        except OSError:
+            continue
         if line:
-            found[(int(m.group(1)), int(m.group(2)))] = line
+            found[(attempt, rank)] = line
     if not found:
         return None
     last = max(a for a, _ in found)
@@ -92,23 +105,9 @@ def node_message(folder: str, code: int) -> str | None:
 
 def node_exit_code(folder: str, fallback: int, signalled: bool = False) -> int:
     """The most significant code the ranks of the LAST attempt left in `folder`, else `fallback`."""
-    import os
-    import re
-
     by_attempt: dict[int, set[int]] = {}
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return fallback
-    for name in names:
-        m = re.match(r"^attempt-(\d+)\.rank-\d+\.exit$", name)
-        if not m:
-            continue
-        try:
-            with open(os.path.join(folder, name)) as f:
-                by_attempt.setdefault(int(m.group(1)), set()).add(int(f.read().strip()))
-        except (OSError, ValueError):
-            continue
+    for (attempt, _), code in _rank_codes(folder).items():
+        by_attempt.setdefault(attempt, set()).add(code)
     codes = by_attempt[max(by_attempt)] if by_attempt else set()
     if not signalled:
         codes.discard(ExitCode.PREEMPTED)
