@@ -118,7 +118,13 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed, world.device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(world.device)
-    flops = perf.flops_per_sample(model, spec.in_shape, spec.task, world.device)
+    # Counted where it is reported (rank 0 logs and writes the summary): a model copy and a
+    # forward/backward that the other ranks need not spend at start.
+    flops = (
+        perf.flops_per_sample(model, spec.in_shape, spec.task, world.device)
+        if world.is_main
+        else None
+    )
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
     if cfg.train.activation_checkpointing:

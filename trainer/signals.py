@@ -88,16 +88,16 @@ class StopVote:
     boundary's. `finish()` waits for the vote in flight, so none is pending at teardown.
     """
 
-    def __init__(self, stop: StopSignal, group=None):
+    def __init__(self, stop: StopSignal, group):
         self.stop, self.group = stop, group
         self._pending = None
 
     def poll(self) -> bool:
+        if self.group is None:  # one process (ranks.stop_group() exists only for several)
+            return self.stop.requested
         import torch
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return self.stop.requested
         agreed = self.finish()
         if not agreed:
             flag = torch.tensor([self.stop.signum or 0], dtype=torch.int32)
