@@ -17,20 +17,12 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests import helpers
+from tests.test_checkpoint import TINY  # the same 4-epoch tiny run, a checkpoint per epoch
 from trainer import cli, config
 from trainer.checkpoint import store
 from trainer.errors import UsageError
 from trainer.train import train
 
-TINY = [
-    *helpers.TINY,
-    "train.epochs=4",
-    "optim.name=sgd",
-    "optim.lr=0.1",
-    "log.progress=none",
-    "ckpt.every_epochs=1",
-    "ckpt.keep_last=10",
-]
 NEWEST = "step-000000012"
 
 

@@ -99,18 +99,27 @@ def test_whole_eval_batches_cover_the_test_split_once_with_the_same_batches():
 # --- what it refuses ---------------------------------------------------------------------------
 
 
+TRAIN = ["train"]
+CHECK = ["config", "check", "--world-size=2"]
+
+
 @pytest.mark.parametrize(
-    "overrides, says",
+    "command, overrides, says",
     [
-        (["dist.strategy=fsdp"], "works with dist.strategy=ddp or none, not fsdp"),
-        (["dist.strategy=dp"], "not dp"),
-        (["model.sync_bn=true"], "set model.sync_bn=false"),
+        (TRAIN, ["dist.strategy=fsdp"], "works with dist.strategy=ddp or none, not fsdp"),
+        (TRAIN, ["dist.strategy=dp"], "not dp"),
+        (TRAIN, ["model.sync_bn=true"], "set model.sync_bn=false"),
+        (CHECK, ["dist.strategy=fsdp"], "not fsdp"),
+        (CHECK, ["model.sync_bn=true"], "set model.sync_bn=false"),
+        (CHECK, ["dist.device=cuda"], "add repro.deterministic=true"),
     ],
+    ids=["train-fsdp", "train-dp", "train-sync_bn", "check-fsdp", "check-sync_bn", "check-cuda"],
 )
-def test_what_cannot_hold_is_refused_in_one_line(overrides, says, capsys):
+def test_what_cannot_hold_is_refused_in_one_line(command, overrides, says, capsys):
+    """By `trainer train` before any work, and by `trainer config check` with the same rules."""
     from trainer import cli
 
-    code = cli.main(["train", "repro.world_invariant=true", *overrides])
+    code = cli.main([*command, "repro.world_invariant=true", *overrides])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
 
@@ -145,22 +154,6 @@ def test_batchnorm_shards_of_one_sample_are_refused_before_training(tmp_path):
 def test_shards_must_be_a_power_of_two(shards):
     with pytest.raises(config.ConfigError, match="must be a power of two"):
         config.load(None, [f"repro.shards={shards}"])
-
-
-@pytest.mark.parametrize(
-    "overrides, says",
-    [
-        (["dist.strategy=fsdp"], "not fsdp"),
-        (["model.sync_bn=true"], "set model.sync_bn=false"),
-        (["dist.device=cuda"], "add repro.deterministic=true"),
-    ],
-)
-def test_config_check_applies_the_same_rules(overrides, says, capsys):
-    from trainer import cli
-
-    code = cli.main(["config", "check", "--world-size=2", "repro.world_invariant=true", *overrides])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and says in err and len(err.splitlines()) == 1, err
 
 
 def test_config_check_names_the_world_sizes_that_fit(capsys):
