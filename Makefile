@@ -62,7 +62,7 @@ test: setup  ## the whole test suite (what CI runs)
 test-quick: setup  ## the suite without the tests marked slow (a few minutes: the edit-test loop)
 	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
 
-test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min, ~16 GB)
+test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min, ~10 GB)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose.yaml, k8s/) and Docker Compose

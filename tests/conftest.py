@@ -32,7 +32,7 @@ def reference_runs(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
-    (minutes, an engine, ~16 GB) run only when `-m` asks for them: `make test-image`.
+    (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.

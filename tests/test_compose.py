@@ -231,7 +231,7 @@ def test_dockerfile_contract():
         }
         assert ("NVIDIA_REQUIRE_CUDA" in image.env) == (variant == "cuda")
     ignored = (ROOT / ".dockerignore").read_text().split()
-    assert {".git", ".venv", "runs", "data", "build"} <= set(ignored)  # build/image-test: ~16 GB
+    assert {".git", ".venv", "runs", "data", "build"} <= set(ignored)  # build/image-test: ~10 GB
 
 
 # --- the entrypoint, run as the image would run it ---------------------------------------------

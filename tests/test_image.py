@@ -10,10 +10,11 @@ to a service ends it with exit 3 and a checkpoint that the next `up` resumes; an
 run gives the same weights and accuracy as `make run-local`, bit for bit.
 
 Needs root (it starts its own dockerd, and installs docker.io and debootstrap with apt where they
-are missing), the package index and a Debian mirror: about 10 minutes and 16 GB of disk, all
-removed afterwards (TRAINER_IMAGE_TEST_KEEP=1 keeps build/image-test/ for a faster re-run;
-TRAINER_TEST_DOCKER_HOST=unix:///... uses an engine of your own instead). Where no engine can be
-started, every test skips with the reason in one line; none passes without a build and a run.
+are missing), the package index and a Debian mirror: about 10 minutes and 10 GB of disk at the
+peak, all removed afterwards (TRAINER_IMAGE_TEST_KEEP=1 keeps build/image-test/ for a faster
+re-run; TRAINER_TEST_DOCKER_HOST=unix:///... uses an engine of your own instead). Where no engine
+can be started, or less than 12 GB of disk is free for it, every test skips with the reason in one
+line; none passes without a build and a run.
 """
 
 from __future__ import annotations
