@@ -1,7 +1,13 @@
 """When the loop logs, evaluates and saves: the pure predicates behind `fit`."""
 
+import signal
+
+import torch
+
+from trainer import signals
 from trainer.config import CkptConfig, TrainConfig
-from trainer.loop import TrainClock, should_eval, should_log, should_save
+from trainer.loop import LossSums, TrainClock, should_eval, should_log, should_save
+from trainer.signals import StopSignal, StopVote
 
 
 def test_a_train_record_every_n_steps_and_at_the_last():
@@ -37,3 +43,54 @@ def test_the_clock_counts_earlier_segments_and_leaves_pauses_out(monkeypatch):
         now[0] += 50.0  # evaluation or a checkpoint save
     now[0] += 1.0
     assert clock.lap() == (1.0, 0.0) and clock.total == 10.0
+
+
+def test_the_stop_vote_cadence_is_about_a_fifth_of_a_second_of_steps():
+    assert StopVote.cadence(1.0) == 1  # slow steps: a vote every step
+    assert StopVote.cadence(0.02) == 10
+    assert StopVote.cadence(0.0001) == signals.MAX_EVERY
+    assert StopVote.cadence(0.0) == StopVote.cadence(float("nan")) == signals.MAX_EVERY
+
+
+def test_stop_votes_are_posted_every_n_steps_and_read_one_step_later(monkeypatch):
+    """The schedule every rank follows, so all read the same votes at the same steps; a signal
+    in step k stops after step k + every at the latest."""
+    import torch.distributed as dist
+
+    posted, read = [], []
+    step = 0
+
+    class Work:
+        def __init__(self, at):
+            self.at = at
+
+        def wait(self):
+            read.append((self.at, step))
+
+    def all_reduce(flag, op, group, async_op):
+        posted.append(step)
+        return Work(step)
+
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    stop = StopSignal()
+    vote = StopVote(stop, group=object())
+    vote.every = 5
+    stops = []
+    for step in range(1, 31):
+        if step == 17:  # a signal lands during step 17
+            stop.signum = signal.SIGTERM
+        if vote.poll(step):
+            stops.append(step)
+            break
+    assert posted == [5, 10, 15, 20]
+    assert read == [(5, 6), (10, 11), (15, 16), (20, 21)]
+    assert stops == [21]  # = 17 + 4 <= 17 + every
+
+
+def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence():
+    sums = LossSums("cpu", world_size=1)
+    sums.add(torch.tensor(2.0), 64)
+    sums.add(torch.tensor(4.0), 64)
+    assert sums.window_mean(7) == (3.0, 7)
+    sums.add(torch.tensor(1.0), 64)
+    assert sums.window_mean() == (1.0, 1)

@@ -149,6 +149,37 @@ def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
     assert logged + 1 <= meta["loop"]["step"] <= logged + 2, (logged, meta["loop"]["step"])
 
 
+@pytest.mark.slow
+def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_second(tmp_path):
+    """Votes every ~0.2 s of steps (signals.StopVote.cadence): at 20 ms a step, every 10 steps at
+    most, so a signal in step k stops both ranks together by step k + 10."""
+    run_dir, status = tmp_path / "run", tmp_path / "status"
+    status.mkdir()
+    proc = spawn(
+        "train",
+        *BASE,
+        "model.kwargs.delay=0.02",
+        "train.epochs=20",
+        f"run_dir={run_dir}",
+        nproc=2,
+        extra_env={"TRAINER_STATUS_DIR": str(status)},
+    )
+    metrics = run_dir / "metrics.jsonl"
+    wait_for(lambda: metrics.exists(), 120, "step 1", proc)
+    workers = children(proc.pid)  # first: scanning /proc takes a few steps on a busy machine
+    assert len(workers) == 2, workers
+    wait_for(lambda: len(read_jsonl(metrics)) >= 40, 120, "40 steps", proc)
+    logged = max(r["step"] for r in read_jsonl(metrics) if r["kind"] == "train")
+    os.kill(max(workers), signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert {f.read_text().strip() for f in status.glob("*.exit")} == {"3"}, out[-2000:]
+    newest = checkpoints(run_dir)[-1]
+    meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
+    assert meta["reason"] == "signal SIGTERM"
+    # The signal landed in step logged+1 or +2 (the log line follows each step).
+    assert logged + 1 <= meta["loop"]["step"] <= logged + 2 + 10, (logged, meta["loop"]["step"])
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_in_a_single_process_exits_3_after_a_checkpoint(tmp_path, sig):
     run_dir = tmp_path / "run"

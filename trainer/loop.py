@@ -73,7 +73,7 @@ def fit(run: Run) -> None:
     clock = TrainClock(  # counting on from the earlier segments of a resumed run
         before=run.results.get("train_time_s", 0.0), waited=run.results.get("data_wait_s", 0.0)
     )
-    losses = LossSums(run.world.device)
+    losses = LossSums(run.world.device, run.world.size)
     run.model.train()
     _stop_if_asked(run, clock, should_stop(run))  # a signal during setup stops before step 1
     vote = StopVote(run.stop, ranks.stop_group())
@@ -93,10 +93,10 @@ def fit(run: Run) -> None:
             state.samples_seen += count
             run.log.tick(state.step)
             if should_log(cfg.log.every_steps, state.step, run.total_steps):
-                _log_train(run, losses, clock)
+                vote.every = _log_train(run, losses, clock)
             if should_eval(cfg.train, step=state.step):
                 _evaluate(run, clock)
-            _stop_if_asked(run, clock, vote.poll())
+            _stop_if_asked(run, clock, vote.poll(state.step))
             if run.finished:
                 break
             if should_save(cfg.ckpt, step=state.step, total_steps=run.total_steps):
@@ -123,17 +123,21 @@ def fit(run: Run) -> None:
     run.results["data_wait_s"] = clock.waited
 
 
-def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> None:
-    samples = losses.window_samples
-    loss = losses.window_mean()  # all ranks' shares summed: the global mean loss per step
-    check_loss(run, loss)
+def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
+    """Writes the window's train record; returns the stop-vote cadence the ranks agreed on."""
+    samples, steps = losses.window_samples, losses.window_steps
     elapsed, waited = clock.lap()
+    # One all-reduce: all ranks' loss shares summed (the global mean loss per step), and their
+    # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank).
+    loss, every = losses.window_mean(StopVote.cadence(elapsed / steps))
+    check_loss(run, loss)
     run.results["train"] = {"loss": loss}
     record = {"kind": "train", "step": run.state.step, "epoch": run.state.epoch, "loss": loss}
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
     run.log.record(record)
     check_log(run, clock)
+    return every
 
 
 def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
@@ -256,7 +260,8 @@ class LossSums:
     """This rank's shares of each step's global mean loss, summed over the current log window
     and epoch; all-reduced only when read, so logging costs no collective per step."""
 
-    def __init__(self, device: str):
+    def __init__(self, device: str, world_size: int = 1):
+        self.world_size = world_size
         self.window = torch.zeros((), dtype=torch.float64, device=device)
         self.epoch = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = self.window_samples = self.epoch_steps = 0
@@ -268,13 +273,15 @@ class LossSums:
         self.epoch_steps += 1
         self.window_samples += count
 
-    def window_mean(self) -> float:
-        """The window's mean loss per step over all ranks (a collective); starts a new window."""
-        ranks.all_reduce_sum(self.window)
-        mean = self.window.item() / self.window_steps
+    def window_mean(self, proposal: int = 1) -> tuple[float, int]:
+        """The window's mean loss per step over all ranks, and the mean of the ranks' integer
+        `proposal`s rounded up (one collective); starts a new window."""
+        both = torch.stack([self.window, self.window.new_tensor(float(proposal))])
+        loss, proposals = ranks.all_reduce_sum(both).tolist()
         self.window.zero_()
+        mean = loss / self.window_steps
         self.window_steps = self.window_samples = 0
-        return mean
+        return mean, math.ceil(proposals / self.world_size)
 
     def epoch_mean(self) -> float | None:
         """The epoch's mean loss per step (a collective), None if it had no steps; starts anew."""
