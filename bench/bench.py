@@ -577,6 +577,49 @@ def run_suite(
     return report
 
 
+MET, MISSED, NO_TARGET = "#3a8a3a", "#c0392b", "#4878a8"
+
+
+def ratio_bars(report: dict) -> list[dict]:
+    """What the ratio panel draws, top to bottom: each ratio's median, its per-repetition range,
+    its target, and a colour saying whether the median meets the target."""
+    bars = []
+    for name, r in report["ratios"].items():
+        target = r["target"]
+        color = NO_TARGET if target is None else MET if r["value"] >= target else MISSED
+        lo = r["value"] if r["per_rep_min"] is None else r["per_rep_min"]
+        hi = r["value"] if r["per_rep_max"] is None else r["per_rep_max"]
+        bars.append({"name": name, "value": r["value"], "lo": lo, "hi": hi, "target": target,
+                     "color": color})  # fmt: skip
+    return bars
+
+
+def _plot_ratios(ax, bars: list[dict]) -> None:
+    bars = bars[::-1]
+    ys = range(len(bars))
+    ax.barh(
+        [b["name"] for b in bars],
+        [b["value"] for b in bars],
+        xerr=[[b["value"] - b["lo"] for b in bars], [b["hi"] - b["value"] for b in bars]],
+        color=[b["color"] for b in bars],
+        capsize=3,
+        height=0.6,
+    )
+    for y, b in zip(ys, bars, strict=True):
+        if b["target"] is not None:
+            ax.plot([b["target"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
+        ax.text(b["hi"], y, f"  {b['value']:.3f}", va="center", fontsize=8)
+    ax.axvline(1.0, color="#777777", linestyle=":", linewidth=1)
+    ax.set_xlim(0, max(1.1, max(b["hi"] for b in bars) * 1.15))
+    ax.set_title(
+        "ratios of medians (whiskers: per-repetition range; black tick: target; green: met, "
+        "red: missed)",
+        fontsize=9,
+        loc="left",
+    )
+    ax.tick_params(axis="both", labelsize=8)
+
+
 def _plot(report: dict, path: Path) -> None:
     try:
         import matplotlib
@@ -589,15 +632,20 @@ def _plot(report: dict, path: Path) -> None:
     groups: dict[str, list[dict]] = {}
     for r in report["rows"]:
         groups.setdefault(r["group"], []).append(r)
-    heights = [len(rs) for rs in groups.values()]
+    bars = ratio_bars(report)
+    heights = ([len(bars)] if bars else []) + [len(rs) for rs in groups.values()]
     fig, axes = plt.subplots(
-        len(groups),
+        len(heights),
         1,
-        figsize=(9.5, 0.42 * sum(heights) + 1.0 * len(groups) + 0.6),
+        figsize=(9.5, 0.42 * sum(heights) + 1.0 * len(heights) + 0.6),
         gridspec_kw={"height_ratios": heights},
         squeeze=False,
     )
-    for ax, (group, rs) in zip(axes[:, 0], groups.items(), strict=True):
+    row_axes = axes[:, 0]
+    if bars:
+        _plot_ratios(row_axes[0], bars)
+        row_axes = row_axes[1:]
+    for ax, (group, rs) in zip(row_axes, groups.items(), strict=True):
         rs = rs[::-1]
         med = [r["median"] for r in rs]
         err = [[r["median"] - r["min"] for r in rs], [r["max"] - r["median"] for r in rs]]

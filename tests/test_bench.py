@@ -98,6 +98,19 @@ def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
 
 
 @pytest.mark.slow
+def test_the_ratio_panel_colours_each_ratio_by_its_target():
+    summaries = {n: bench.summarize(v) for n, v in
+                 {"a": [90.0, 100.0], "b": [100.0, 100.0], "c": [99.0, 98.0]}.items()}  # fmt: skip
+    specs = [("a / b", "a", "b", 0.97), ("c / b", "c", "b", 0.97), ("b / a", "b", "a", None)]
+    bars = bench.ratio_bars({"ratios": bench.ratios(summaries, specs)})
+    assert [(b["name"], b["color"], b["target"]) for b in bars] == [
+        ("a / b", bench.MISSED, 0.97),
+        ("c / b", bench.MET, 0.97),
+        ("b / a", bench.NO_TARGET, None),
+    ]
+    assert (bars[0]["lo"], bars[0]["value"], bars[0]["hi"]) == pytest.approx((0.9, 0.95, 1.0))
+
+
 def test_quick_suite_end_to_end(tmp_path):
     """One repetition of the 1-process rows with a few steps each: JSON, PNG and table."""
     cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "cpu", "--reps", "1"]
