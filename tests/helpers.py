@@ -22,6 +22,23 @@ REFERENCE = [
     "ckpt.keep_last=100",
     "log.progress=plain",
 ]
+# A 2-block GPT on the first 40 kB of the standard library: about a second of training.
+TINY_GPT = [
+    "model.name=gpt",
+    "data.name=text",
+    "model.gpt.layers=2",
+    "model.gpt.width=32",
+    "model.gpt.heads=2",
+    "data.text.seq_len=32",
+    "data.text.max_train_bytes=40000",
+    "data.text.max_test_bytes=4000",
+    "optim.name=adamw",
+    "optim.lr=0.003",
+    "train.epochs=100",
+    "log.every_steps=1",
+    "log.progress=plain",
+    "log.tensorboard=false",
+]
 BIN = Path(sys.executable).parent
 # The 9-sample dataset below and its model; global batch 4 leaves a 1-sample last batch.
 TINY = [

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import (
+    TINY_GPT,
     checkpoints,
     read_jsonl,
     spawn,
@@ -21,26 +22,12 @@ from tests.helpers import (
 
 pytestmark = pytest.mark.slow  # real torchrun jobs: 6-60 s each (make test-quick skips them)
 
-# A 2-block GPT on the first 40 kB of the standard library: about a second of training.
 GPT = [
-    "model.name=gpt",
-    "data.name=text",
-    "model.gpt.layers=2",
-    "model.gpt.width=32",
-    "model.gpt.heads=2",
-    "data.text.seq_len=32",
-    "data.text.max_train_bytes=40000",
-    "data.text.max_test_bytes=4000",
+    *TINY_GPT,
     "data.global_batch_size=8",
-    "optim.name=adamw",
-    "optim.lr=0.003",
-    "train.epochs=100",
     "train.max_steps=12",
     "ckpt.every_steps=6",
     "ckpt.keep_last=10",
-    "log.every_steps=1",
-    "log.progress=plain",
-    "log.tensorboard=false",
 ]
 # Micro-steps of 1 sample per rank and a clip that binds: the global norm is over all shards.
 ACCUM_CLIP = ["train.micro_batch_size=1", "train.clip_grad_norm=0.5"]

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import read_jsonl, trainer, weights
+from tests.helpers import TINY_GPT, read_jsonl, trainer, weights
 from trainer import config, invariant, sampler
 
 MLP = [
@@ -23,25 +23,7 @@ MLP = [
     "log.tensorboard=false",
 ]
 LENET = [*MLP, "model.name=lenet", "model.dropout=0.0", "optim.name=sgd", "optim.lr=0.05"]
-GPT = [
-    "model.name=gpt",
-    "data.name=text",
-    "model.gpt.layers=2",
-    "model.gpt.width=32",
-    "model.gpt.heads=2",
-    "model.dropout=0.1",
-    "data.text.seq_len=32",
-    "data.text.max_train_bytes=40000",
-    "data.text.max_test_bytes=4000",
-    "data.global_batch_size=16",
-    "optim.name=adamw",
-    "optim.lr=0.003",
-    "train.epochs=100",
-    "train.max_steps=6",
-    "log.every_steps=1",
-    "log.progress=plain",
-    "log.tensorboard=false",
-]
+GPT = [*TINY_GPT, "model.dropout=0.1", "data.global_batch_size=16", "train.max_steps=6"]
 # Micro-steps inside each shard, and a clip that binds: the norm is over the summed gradient.
 ON = ["repro.world_invariant=true", "train.micro_batch_size=3", "train.clip_grad_norm=0.5"]
 
