@@ -10,6 +10,8 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from tests import helpers
 from tests.test_checkpoint import TINY  # the same 4-epoch tiny run, a checkpoint per epoch
 from trainer import cli, config
+from trainer import train as train_mod
 from trainer.checkpoint import store
 from trainer.errors import UsageError
 from trainer.train import train
@@ -509,3 +512,48 @@ def test_after_a_full_disk_the_earlier_checkpoints_and_metrics_are_intact_and_a_
     code, out, err = in_process(capsys, "train", *TINY, "train.epochs=6", f"run_dir={run}")
     assert code == 0, err
     assert "resumed from" in out and "step-000000015 (step 15" in out
+
+
+# --- 7. a disk that fills up at the very end ---------------------------------------------------
+
+
+def test_safetensors_write_failures_are_oserrors_with_the_os_errno(tmp_path):
+    """safetensors reports a failed write only in its message; save_weights turns it into the
+    OSError every caller handles (here: a 4 kB file-size limit, EFBIG)."""
+    code = (
+        "import errno, resource, signal, sys, torch\n"
+        "from trainer.checkpoint.weights import save_weights\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        "try:\n"
+        f"    save_weights({{'a': torch.zeros(10000)}}, {str(tmp_path / 'w')!r})\n"
+        "except OSError as e:\n"
+        "    sys.exit(0 if e.errno == errno.EFBIG else f'errno {e.errno}')\n"
+        "sys.exit('saved')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert not (tmp_path / "w").exists()  # atomic: nothing half-written under the name
+
+
+def test_a_full_disk_when_writing_the_final_weights_exits_4_in_one_line_and_a_rerun_finishes(
+    tmp_path, monkeypatch, capsys
+):
+    from trainer.checkpoint import weights as weights_mod
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run_dir = tmp_path / "run"
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "save_weights", full)
+        code, _, err = in_process(capsys, "train", *TINY, f"run_dir={run_dir}")
+    assert code == 4 and len(err.strip().splitlines()) == 1, err
+    assert "No space left on device" in err and "rerunning the same command" in err
+    last = store.list_checkpoints(str(run_dir / "checkpoints"))[0]
+    store.verify(last[1])
+    assert not (run_dir / "summary.json").exists()
+    code, _, err = in_process(capsys, "train", *TINY, f"run_dir={run_dir}")
+    assert code == 0, err
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == last[0]
+    assert weights_mod.read_weights(str(run_dir / "final" / "model.safetensors"))

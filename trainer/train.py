@@ -20,7 +20,7 @@ import torch
 from trainer import dryrun, loop, metrics, ranks, repro, strategy
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict, to_yaml
-from trainer.errors import UsageError
+from trainer.errors import io_error
 from trainer.run import Run, build
 from trainer.signals import StopSignal
 
@@ -79,9 +79,8 @@ def record_start(run: Run) -> dict:
             run_json = {**record, "started": run.started}
             metrics.write_json(os.path.join(run.run_dir, "run.json"), run_json)
         except OSError as e:
-            raise UsageError(
-                f"cannot write run_dir {run.run_dir} ({e.strerror}): free space or point run_dir "
-                "at a writable volume"
+            raise io_error(
+                e, f"cannot write run_dir {run.run_dir}", "point run_dir at a writable volume"
             ) from None
     resume_step = run.state.step or None
     run.log.open(run.run_dir, resume_step=resume_step, tensorboard=run.cfg.log.tensorboard)
@@ -137,8 +136,16 @@ def finish(run: Run, record: dict) -> dict:
         weights = run.strategy.full_state_dict(run.model)
     if w.is_main:
         final = os.path.join(run.run_dir, "final")
-        save_weights(weights, final, metadata={"config": to_yaml(run.cfg)})
-        metrics.write_json(os.path.join(run.run_dir, "summary.json"), summary)
+        try:
+            save_weights(weights, final, metadata={"config": to_yaml(run.cfg)})
+            metrics.write_json(os.path.join(run.run_dir, "summary.json"), summary)
+        except OSError as e:
+            raise io_error(
+                e,
+                f"final/ or summary.json in {run.run_dir} could not be written (the checkpoint of "
+                f"step {state.step} is saved: rerunning the same command writes them)",
+                "point run_dir at writable storage",
+            ) from None
         run.log.info(_done_line(run, summary))
     return summary
 

@@ -8,6 +8,7 @@ model, and a GPU-saved file loads on the CPU. `export` writes what loads with sa
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import torch
@@ -33,11 +34,19 @@ def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save_weights(
     state: dict[str, torch.Tensor], directory: str, metadata: dict | None = None
 ) -> str:
-    """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer."""
+    """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer.
+    A failed write (full disk, I/O error) is an OSError, as from any other file."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
-    with store.atomic_dir(directory) as tmp:
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata=metadata)
+    try:
+        with store.atomic_dir(directory) as tmp:
+            save_file(state, os.path.join(tmp, "model.safetensors"), metadata=metadata)
+    except SafetensorError as e:  # safetensors reports the OS's error only in its message
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+        if found is None:
+            raise
+        raise OSError(int(found[2]), found[1], directory) from None
     return os.path.join(directory, "model.safetensors")
 
 
