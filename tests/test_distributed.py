@@ -60,6 +60,13 @@ def test_run_dir_outputs(reference_runs):
     assert 0 <= summary["eval"]["accuracy"] <= 1 and math.isfinite(summary["eval"]["loss"])
     assert math.isfinite(summary["train"]["loss"]) and summary["samples_per_s"] > 0
     assert summary["wall_s"] > 0 and summary["versions"]["torch"]
+    # DDP's own timings: the all-reduce, and how much of it the backward hid.
+    split = summary["step_split_ms"]
+    assert split["forward_ms"] > 0 and split["backward_compute_ms"] > 0, split
+    assert split["allreduce_ms"] > 0 and split["last_sampled_iteration"] >= 1, split
+    exposed = split["allreduce_ms"] - split["allreduce_overlapped_ms"]
+    assert split["allreduce_exposed_ms"] == max(0.0, exposed)
+    assert yaml.safe_load((reference_runs(1) / "summary.json").read_text())["step_split_ms"] is None
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in weights(run))
 
 

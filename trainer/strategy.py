@@ -55,6 +55,18 @@ class Strategy:
         """Load torch's own (whole, index-keyed) optimizer state_dict."""
         optimizer.load_state_dict(state)
 
+    def step_split(self, model: nn.Module) -> dict | None:
+        """Where a step's time went, as the wrapper itself measured it (None: not measured)."""
+        return None
+
+
+_DDP_TIMES = {  # DDP's own averages over its sampled iterations, in ns
+    "forward_ms": "avg_forward_compute_time",
+    "backward_compute_ms": "avg_backward_compute_time",
+    "allreduce_ms": "avg_backward_comm_time",
+    "allreduce_overlapped_ms": "avg_backward_compute_comm_overlap_time",
+}
+
 
 class DDP(Strategy):
     """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets."""
@@ -75,6 +87,21 @@ class DDP(Strategy):
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync()
+
+    def step_split(self, model: nn.Module) -> dict | None:
+        """DDP's sampled timings of this rank (the first iterations, then about every 100th):
+        forward, backward compute, the gradient all-reduce, the part of it that overlapped the
+        backward, and the rest (`allreduce_exposed_ms`), which the step waited for."""
+        try:
+            data = model._get_ddp_logging_data()
+        except (AttributeError, RuntimeError):  # a private API: absent in some torch version
+            return None
+        if not all(isinstance(data.get(k), int) for k in _DDP_TIMES.values()):
+            return None
+        out = {name: data[key] / 1e6 for name, key in _DDP_TIMES.items()}
+        out["allreduce_exposed_ms"] = max(0.0, out["allreduce_ms"] - out["allreduce_overlapped_ms"])
+        out["last_sampled_iteration"] = data.get("iteration")
+        return out
 
 
 _MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

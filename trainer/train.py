@@ -126,6 +126,7 @@ def finish(run: Run, record: dict) -> dict:
         "precision": run.cfg.train.precision,
         "skipped_steps": skipped,
         "memory": memory,  # per rank
+        "step_split_ms": run.strategy.step_split(run.model),  # rank 0's, where measured (ddp)
         "peak_gpu_memory_gib": (
             torch.cuda.max_memory_allocated(w.device) / 2**30 if w.on_cuda else None
         ),
