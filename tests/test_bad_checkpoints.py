@@ -536,6 +536,21 @@ def test_safetensors_write_failures_are_oserrors_with_the_os_errno(tmp_path):
     assert not (tmp_path / "w").exists()  # atomic: nothing half-written under the name
 
 
+def test_export_onto_a_full_disk_exits_4_in_one_line(tmp_path):
+    src, out = tmp_path / "w.safetensors", tmp_path / "out"
+    save_file({"a": torch.zeros(10000)}, str(src))
+    code = (
+        "import resource, signal, sys\n"
+        "from trainer import cli\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+        f"sys.exit(cli.main(['export', {str(src)!r}, '-o', {str(out)!r}]))\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(p, 4, "export -o", "File too large")
+    assert not out.exists()
+
+
 def test_a_full_disk_when_writing_the_final_weights_exits_4_in_one_line_and_a_rerun_finishes(
     tmp_path, monkeypatch, capsys
 ):

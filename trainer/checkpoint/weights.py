@@ -34,20 +34,25 @@ def strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def save_weights(
     state: dict[str, torch.Tensor], directory: str, metadata: dict | None = None
 ) -> str:
-    """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer.
-    A failed write (full disk, I/O error) is an OSError, as from any other file."""
+    """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer."""
+    with store.atomic_dir(directory) as tmp:
+        _save_file(state, os.path.join(tmp, "model.safetensors"), metadata)
+    return os.path.join(directory, "model.safetensors")
+
+
+def _save_file(state: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
+    """safetensors' save_file, whose failed writes (full disk, I/O error) raise an OSError, as
+    any other file's do: safetensors reports the OS's error only in its message."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     try:
-        with store.atomic_dir(directory) as tmp:
-            save_file(state, os.path.join(tmp, "model.safetensors"), metadata=metadata)
-    except SafetensorError as e:  # safetensors reports the OS's error only in its message
+        save_file(state, path, metadata=metadata)
+    except SafetensorError as e:
         found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
         if found is None:
             raise
-        raise OSError(int(found[2]), found[1], directory) from None
-    return os.path.join(directory, "model.safetensors")
+        raise OSError(int(found[2]), found[1], path) from None
 
 
 def _checkpoint_at(folder: str) -> str | None:
@@ -192,8 +197,6 @@ def find_config(src: str) -> str | None:
 
 def export(src: str, out: str | None = None) -> str:
     """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict."""
-    from safetensors.torch import save_file
-
     if out is None:
         out = (
             os.path.join(src, "export")
@@ -205,7 +208,7 @@ def export(src: str, out: str | None = None) -> str:
     config = find_config(src)
     try:
         with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
-            save_file(
+            _save_file(
                 {k: v.contiguous() for k, v in state.items()},
                 os.path.join(tmp, "model.safetensors"),
             )
