@@ -42,6 +42,7 @@ def test_the_clock_counts_earlier_segments_and_leaves_pauses_out(monkeypatch):
     with clock.paused():
         now[0] += 50.0  # evaluation or a checkpoint save
     now[0] += 1.0
+    assert clock.since_lap() == 1.0 and clock.since_lap() == 1.0  # a peek starts no new lap
     assert clock.lap() == (1.0, 0.0) and clock.total == 10.0
 
 

@@ -126,10 +126,10 @@ def fit(run: Run) -> None:
 def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
     """Writes the window's train record; returns the stop-vote cadence the ranks agreed on."""
     samples, steps = losses.window_samples, losses.window_steps
-    elapsed, waited = clock.lap()
     # One all-reduce: all ranks' loss shares summed (the global mean loss per step), and their
     # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank).
-    loss, every = losses.window_mean(StopVote.cadence(elapsed / steps))
+    loss, every = losses.window_mean(StopVote.cadence(clock.since_lap() / steps))
+    elapsed, waited = clock.lap()  # after the all-reduce: the window includes waiting for it
     check_loss(run, loss)
     run.results["train"] = {"loss": loss}
     record = {"kind": "train", "step": run.state.step, "epoch": run.state.epoch, "loss": loss}
@@ -313,6 +313,10 @@ class TrainClock:
         lap, self._lap_start = now - self._lap_start, now
         waited, self._lap_waited = self._lap_waited, 0.0
         return lap, waited
+
+    def since_lap(self) -> float:
+        """Seconds since the previous lap (pauses left out), without starting a new one."""
+        return time.perf_counter() - self._lap_start
 
     def timed(self, batches):
         """Yield from `batches`, counting the time spent waiting for each one."""
