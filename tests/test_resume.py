@@ -120,46 +120,16 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
     assert _bitwise_equal(run_dir, uninterrupted_w2)
 
 
-@pytest.mark.slow
-def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
-    """The stop vote runs in the background: a signal that lands in step k stops every rank
-    after step k+1 (README: the bound), with one checkpoint and exit 3 on both ranks."""
+def _signal_one_rank(tmp_path, steps: int, *overrides) -> tuple[int, int]:
+    """A 2-rank run; after `steps` logged steps, SIGTERM to one rank only (rank 0 must learn it
+    from the vote). Both ranks exit 3 with a signal checkpoint; returns (the last step logged
+    before the signal, the step the checkpoint holds)."""
     run_dir, status = tmp_path / "run", tmp_path / "status"
     status.mkdir()
     proc = spawn(
         "train",
         *BASE,
-        "model.kwargs.delay=0.5",  # half a second per step: the step in progress is known
-        f"run_dir={run_dir}",
-        nproc=2,
-        extra_env={"TRAINER_STATUS_DIR": str(status)},
-    )
-    metrics = run_dir / "metrics.jsonl"
-    wait_for(lambda: metrics.exists() and len(read_jsonl(metrics)) >= 3, 120, "3 steps", proc)
-    logged = max(r["step"] for r in read_jsonl(metrics) if r["kind"] == "train")
-    workers = children(proc.pid)
-    assert len(workers) == 2, workers
-    os.kill(max(workers), signal.SIGTERM)  # one rank only; rank 0 must learn it from the vote
-    out, _ = proc.communicate(timeout=60)
-    assert {f.read_text().strip() for f in status.glob("*.exit")} == {"3"}, out[-2000:]
-    newest = checkpoints(run_dir)[-1]
-    meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
-    assert meta["reason"] == "signal SIGTERM"
-    # The signal landed in step logged+1 (steps take 0.5 s; the log line follows each step).
-    assert logged + 1 <= meta["loop"]["step"] <= logged + 2, (logged, meta["loop"]["step"])
-
-
-@pytest.mark.slow
-def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_second(tmp_path):
-    """Votes every ~0.2 s of steps (signals.StopVote.cadence): at 20 ms a step, every 10 steps at
-    most, so a signal in step k stops both ranks together by step k + 10."""
-    run_dir, status = tmp_path / "run", tmp_path / "status"
-    status.mkdir()
-    proc = spawn(
-        "train",
-        *BASE,
-        "model.kwargs.delay=0.02",
-        "train.epochs=20",
+        *overrides,
         f"run_dir={run_dir}",
         nproc=2,
         extra_env={"TRAINER_STATUS_DIR": str(status)},
@@ -168,7 +138,7 @@ def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_seco
     wait_for(lambda: metrics.exists(), 120, "step 1", proc)
     workers = children(proc.pid)  # first: scanning /proc takes a few steps on a busy machine
     assert len(workers) == 2, workers
-    wait_for(lambda: len(read_jsonl(metrics)) >= 40, 120, "40 steps", proc)
+    wait_for(lambda: len(read_jsonl(metrics)) >= steps, 120, f"{steps} steps", proc)
     logged = max(r["step"] for r in read_jsonl(metrics) if r["kind"] == "train")
     os.kill(max(workers), signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
@@ -176,8 +146,26 @@ def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_seco
     newest = checkpoints(run_dir)[-1]
     meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
     assert meta["reason"] == "signal SIGTERM"
+    return logged, meta["loop"]["step"]
+
+
+@pytest.mark.slow
+def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
+    """The stop vote runs in the background: a signal that lands in step k stops every rank
+    after step k+1 (README: the bound), with one checkpoint and exit 3 on both ranks."""
+    # Half a second per step: the step in progress is known, and a vote is posted every step.
+    logged, stopped = _signal_one_rank(tmp_path, 3, "model.kwargs.delay=0.5")
+    # The signal landed in step logged+1 (steps take 0.5 s; the log line follows each step).
+    assert logged + 1 <= stopped <= logged + 2, (logged, stopped)
+
+
+@pytest.mark.slow
+def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_second(tmp_path):
+    """Votes every ~0.2 s of steps (signals.StopVote.cadence): at 20 ms a step, every 10 steps at
+    most, so a signal in step k stops both ranks together by step k + 10."""
+    logged, stopped = _signal_one_rank(tmp_path, 40, "model.kwargs.delay=0.02", "train.epochs=20")
     # The signal landed in step logged+1 or +2 (the log line follows each step).
-    assert logged + 1 <= meta["loop"]["step"] <= logged + 2 + 10, (logged, meta["loop"]["step"])
+    assert logged + 1 <= stopped <= logged + 2 + 10, (logged, stopped)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
