@@ -151,7 +151,7 @@ def from_process(device: str, backend: str, environ: Mapping[str, str]) -> World
 
 
 _control_group = None  # a gloo group, set by _init when the main backend is not gloo (nccl)
-_stop_group = None  # a gloo group of its own for the per-step stop flag (set when distributed)
+_stop_group = None  # a gloo group of its own for the background stop vote (set when distributed)
 
 
 @contextlib.contextmanager
