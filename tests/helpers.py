@@ -173,6 +173,30 @@ def slow_gpt(in_shape, num_classes, layers=2, width=32, heads=2, dropout=0.0, de
     return model
 
 
+def counting_gpt(in_shape, num_classes, count_dir, layers=2, width=32, heads=2, dropout=0.0):
+    """The built-in GPT that appends one byte to count_dir/rank-<r> per block forward with grad.
+
+    The hook sits on each block's attention, which the block's own forward calls: a forward that
+    activation checkpointing recomputes in the backward pass counts again (a hook on the block
+    itself would not, the recompute calls the wrapped forward directly).
+    """
+    import torch
+
+    from trainer.gpt import gpt
+
+    model = gpt(in_shape, num_classes, layers=layers, width=width, heads=heads, dropout=dropout)
+    path = Path(count_dir) / f"rank-{os.environ.get('RANK', '0')}"
+
+    def count(*_):
+        if torch.is_grad_enabled():
+            with open(path, "a") as f:
+                f.write("x")
+
+    for block in model.blocks:
+        block.attn.register_forward_pre_hook(count)
+    return model
+
+
 def wait_for(predicate, timeout: float, what: str, proc=None, interval: float = 0.05):
     """Poll until predicate() is truthy; fail with `what` (and the process's output) on timeout."""
     import time

@@ -15,6 +15,7 @@ from trainer import config
 from trainer.checkpoint import store, weights
 from trainer.checkpoint.manager import CheckpointWriteError, choose_resume, config_conflicts
 from trainer.errors import UsageError
+from trainer.optim import Schedule
 from trainer.train import train
 
 TINY = [
@@ -278,8 +279,15 @@ def test_which_config_changes_a_resume_accepts():
 
 
 def test_resume_keeps_the_new_schedule(trained):
-    summary = _run(trained, "train.epochs=8", "sched.name=cosine")
+    summary = _run(trained, "train.epochs=8", "log.every_steps=1")
     assert summary["steps"] == 24
+    # The preset's cosine (20 warm-up steps) now spans 24 steps: the saved schedule of 12 would
+    # give lr 0 after the warm-up.
+    cosine = Schedule("cosine", total_steps=24, steps_per_epoch=3, warmup_steps=20)
+    lrs = {r["step"]: r["lr"] for r in helpers.read_jsonl(trained / "metrics.jsonl") if "lr" in r}
+    assert sorted(s for s in lrs if s > 12) == list(range(13, 25))
+    for s in range(13, 25):
+        assert lrs[s] == pytest.approx(0.1 * cosine(s)), s
 
 
 def test_init_weights_starts_from_foreign_weights(trained, tmp_path):

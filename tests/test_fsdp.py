@@ -273,10 +273,14 @@ def test_sigkill_then_rerun_under_fsdp_is_bitwise(runs, tmp_path):
     assert train_losses(run_dir) == train_losses(ref)
 
 
-def test_activation_checkpointing_gives_the_same_numbers(runs):
+def test_activation_checkpointing_recomputes_and_gives_the_same_numbers(runs, tmp_path):
     plain = runs(2, "fsdp", *GPT)
-    recomputed = runs(2, "fsdp", *GPT, "train.activation_checkpointing=true")
+    counted = ["model.name=tests.helpers:counting_gpt", f"model.kwargs.count_dir={tmp_path}"]
+    recomputed = runs(2, "fsdp", *GPT, *counted, "train.activation_checkpointing=true")
     _close(train_losses(recomputed), train_losses(plain), rel=1e-6)
+    # Each of the 2 blocks ran forward twice per step on rank 1 (once more in the backward pass);
+    # rank 0 also counts the FLOP count's forward at start. Without the setting: 12 x 2 = 24.
+    assert (tmp_path / "rank-1").read_text() == "x" * (12 * 2 * 2)
 
 
 def test_bf16_under_fsdp_trains_close_to_fp32(runs):
