@@ -18,9 +18,9 @@ import pytest
 from tests import dockerfile
 from tests import k8s as kube
 from tests.helpers import ROOT, env
-from trainer import launch, nodeenv
+from trainer import launch
 from trainer.errors import ExitCode
-from trainer.launch import Route, make_plan, split_command
+from trainer.launch import Route, make_plan, nodeenv, split_command
 
 pytestmark = [
     pytest.mark.k8s,

@@ -22,7 +22,7 @@ from tests.helpers import env
 from trainer import launch
 from trainer.errors import UsageError
 from trainer.launch import Command, Route, exit_code, make_plan, split_command
-from trainer.nodeenv import CONSUMED_PET, launched_by_torchrun, read_node
+from trainer.launch.nodeenv import CONSUMED_PET, launched_by_torchrun, read_node
 
 PY = "/opt/venv/bin/python"
 TRAIN = Command(trainer_args=("train",))
@@ -74,7 +74,7 @@ def test_no_env_is_one_standalone_node_with_one_process_per_gpu():
         "trainer",
         "train",
     ]
-    # 2 CPUs shared by 4 ranks: trainer.threads; gloo on loopback (no hostname lookup)
+    # 2 CPUs shared by 4 ranks: trainer.launch.threads; gloo on loopback (no hostname lookup)
     assert p.env == {
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
         "OMP_NUM_THREADS": "1",

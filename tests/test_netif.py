@@ -1,4 +1,4 @@
-"""How a node finds its own address and interface towards the rendezvous host (trainer.netif)."""
+"""How a node finds its own address and interface towards the rendezvous host (trainer.launch.netif)."""
 
 import sys
 
@@ -6,7 +6,7 @@ import pytest
 
 from tests import netns
 from tests.helpers import ROOT, env
-from trainer import netif
+from trainer.launch import netif
 
 INTERFACES = {"lo": ["127.0.0.1", "::1"], "eth0": ["10.8.1.17", "fe80::1"], "ib0": ["192.168.5.2"]}
 
@@ -43,7 +43,7 @@ def test_each_namespace_node_reaches_node0_from_its_own_eth0():
     if reason := netns.unavailable():
         pytest.skip(reason)
     probe = (
-        "from trainer import netif; a = netif.source_address('node0', 29500); "
+        "from trainer.launch import netif; a = netif.source_address('node0', 29500); "
         "print(a, netif.interface_for(a, netif.interface_addresses()))"
     )
     with netns.Network(2, hosts={"node0": 0}) as net:

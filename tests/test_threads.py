@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import BIN, env
 from trainer.errors import UsageError
 from trainer.launch import Command, make_plan
-from trainer.threads import available_cpus, cgroup_cpu_quota, threads_per_rank
+from trainer.launch.threads import available_cpus, cgroup_cpu_quota, threads_per_rank
 
 
 def tree(root, files: dict[str, str], self_cgroup: str):

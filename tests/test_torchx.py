@@ -229,7 +229,7 @@ def k8s_dryrun(tmp_path) -> dict:
 
 def test_kubernetes_dryrun_is_a_volcano_job_running_the_trainer_under_torchrun(tmp_path):
     from trainer.launch import TORCH_ENV
-    from trainer.nodeenv import DEFAULT_JOIN_TIMEOUT_S
+    from trainer.launch.nodeenv import DEFAULT_JOIN_TIMEOUT_S
 
     k = K8S
     job = k8s_dryrun(tmp_path)

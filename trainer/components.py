@@ -37,7 +37,7 @@ except ImportError:
 
 from trainer.config import DEFAULT_PRESET
 from trainer.launch import TORCH_ENV
-from trainer.nodeenv import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, DEFAULT_MAX_RESTARTS
+from trainer.launch.nodeenv import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, DEFAULT_MAX_RESTARTS
 
 DEFAULT_IMAGE = "trainer:cuda"
 """What `make image` builds (IMAGE=trainer, VARIANT=cuda); `trainer:cpu` is `make image VARIANT=cpu`."""

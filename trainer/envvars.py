@@ -1,7 +1,7 @@
 """Integers and ports from environment variables, with one-line errors that name the variable.
 
 Shared by the process contract (trainer.world: what torchrun sets for each rank) and the node
-contract (trainer.nodeenv: what compose, Kubernetes and Kubeflow set for trainer-launch).
+contract (trainer.launch.nodeenv: what compose, Kubernetes and Kubeflow set for trainer-launch).
 """
 
 from __future__ import annotations

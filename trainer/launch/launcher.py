@@ -6,7 +6,7 @@
     trainer-launch -- python my_script.py   # any torchrun script: the image serves foreign code
     trainer-launch bash -c '...'            # any other command runs as is (`docker run IMAGE CMD`)
 
-The node's shape comes from the environment (trainer.nodeenv has the contract and precedence).
+The node's shape comes from the environment (trainer.launch.nodeenv has the contract and precedence).
 `make_plan` is a pure function of (environment, command, GPU and CPU counts, a route probe); `main`
 does the side effects. torchrun runs as a CHILD, not an exec: it exits 1 whenever a worker fails,
 which would hide the trainer's exit codes (2 config, 3 preempted, 4 retryable) from Kubernetes'
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 from trainer.cli import COMMANDS
 from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
-from trainer.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
-from trainer.threads import available_cpus, threads_per_rank, user_threads
+from trainer.launch.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
+from trainer.launch.threads import available_cpus, threads_per_rank, user_threads
 
 LOOPBACK_ADDR = "--local-addr=127.0.0.1"
 """One node: the address torchrun gives the ranks as MASTER_ADDR (else the host's FQDN)."""
@@ -248,7 +248,7 @@ def visible_gpus() -> int:
 
 def probe_route(node: Node, env: Mapping[str, str]) -> Route | None:
     """This node's address (POD_IP, else the one it reaches node 0 from) and its interface."""
-    from trainer import netif
+    from trainer.launch import netif
 
     addr = env.get("POD_IP", "").strip()
     try:
