@@ -27,6 +27,7 @@ import pytest
 from tests.helpers import BIN, ROOT, TINY, env
 from trainer import cli, config
 from trainer.config import RANGES, Config
+from trainer.errors import UsageError
 
 # --- the tables --------------------------------------------------------------------------------
 
@@ -39,15 +40,9 @@ class Case:
     """What the error line must mention (the offending key, file or argument)."""
 
 
-def schema_fields(cls=Config, prefix: str = ""):
-    """(dotted key, type) for every leaf field of the schema."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            yield from schema_fields(t, f"{prefix}{f.name}.")
-        else:
-            yield f"{prefix}{f.name}", t
+def schema_fields():
+    """(dotted key, type) for every leaf field of the schema (config.walk, the one walker)."""
+    return [(f.key, f.type) for f in config.walk() if not f.section]
 
 
 def _base(t):
@@ -119,7 +114,7 @@ def field_cases() -> list[Case]:
 def _is_choice(key: str) -> bool:
     try:
         config.load(None, [f"{key}=zzz-not-a-choice"])
-    except config.UsageError as e:
+    except UsageError as e:
         return "choose one of" in str(e) or "did you mean" in str(e) or "package." in str(e)
     return False
 
@@ -241,6 +236,10 @@ def yaml_files(folder) -> dict[str, tuple[bytes | None, str]]:
         "preset-number.yaml": (b"preset: 5\n", "preset"),
         "preset-missing.yaml": (b"preset: digits-mpl\n", "digits-mpl"),
         "preset-self.yaml": (b"preset: PLACEHOLDER\n", "preset"),
+        # Nested past the YAML parser's recursion (block and flow style), and past OmegaConf's.
+        "deep-block.yaml": (b"".join(b"  " * i + b"k:\n" for i in range(1000)), "too deeply"),
+        "deep-flow.yaml": (b"a: " + b"{b: " * 1000 + b"1" + b"}" * 1000, "too deeply"),
+        "deep-omegaconf.yaml": (b"optim: " + b"[" * 300 + b"]" * 300, "too deeply"),
         "not-a-run-dir": (None, "not-a-run-dir"),
     }
 
@@ -400,7 +399,7 @@ def test_every_numeric_field_has_a_range():
             numeric.append(key)
     assert sorted(numeric) == sorted(RANGES), "RANGES must list exactly the numeric fields"
     for key in RANGES:  # every default is inside its own range
-        value = config._example(key).partition("=")[2]
+        value = config.example(key).partition("=")[2]
         if value not in ("null",):
             config.load(None, [f"{key}={value}"])
     assert math.inf not in [r.hi for r in RANGES.values()]

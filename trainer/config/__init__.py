@@ -1,0 +1,63 @@
+"""The config: a typed schema merged from defaults < preset < --config file < CLI key=value.
+
+schema.py   the dataclasses (every field a default and a docstring) and `walk`, the one
+            walker of their fields
+ranges.py   the table of numeric ranges and non-empty strings, the checks and hints on it
+rules.py    the strategy and world-size rules (no torch: `config check` applies them too)
+load.py     merging the layers; every mistake a one-line UsageError naming the fix
+"""
+
+from trainer.config.load import load, presets, to_dict, to_yaml
+from trainer.config.ranges import MAX_SEED, NONEMPTY, RANGES, Range, example, range_hint
+from trainer.config.rules import check_world_size, resolve_strategy
+from trainer.config.schema import (
+    DEFAULT_PRESET,
+    CkptConfig,
+    Config,
+    DataConfig,
+    DistConfig,
+    Field,
+    FSDPConfig,
+    GPTConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    ReproConfig,
+    SchedConfig,
+    SyntheticConfig,
+    TextConfig,
+    TrainConfig,
+    walk,
+)
+
+__all__ = [
+    "DEFAULT_PRESET",
+    "MAX_SEED",
+    "NONEMPTY",
+    "RANGES",
+    "CkptConfig",
+    "Config",
+    "DataConfig",
+    "DistConfig",
+    "FSDPConfig",
+    "Field",
+    "GPTConfig",
+    "LogConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "Range",
+    "ReproConfig",
+    "SchedConfig",
+    "SyntheticConfig",
+    "TextConfig",
+    "TrainConfig",
+    "check_world_size",
+    "example",
+    "load",
+    "presets",
+    "range_hint",
+    "resolve_strategy",
+    "to_dict",
+    "to_yaml",
+    "walk",
+]

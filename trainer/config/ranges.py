@@ -1,0 +1,149 @@
+"""The one table of numeric ranges (and of strings that must not be empty) for the schema's
+fields, and the checks and hints built on it."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.errors import UsageError
+
+MAX_SEED = 2**63 - 1
+"""Seeds go to torch.manual_seed and numpy's SeedSequence: non-negative 64-bit integers."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field (or each item of a numeric list) accepts; NaN never is."""
+
+    lo: float
+    hi: float
+    lo_open: bool = False
+    hi_open: bool = False
+
+    def __contains__(self, value: float) -> bool:
+        if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+            return False  # no range here includes NaN or an infinity
+        above = value > self.lo if self.lo_open else value >= self.lo
+        below = value < self.hi if self.hi_open else value <= self.hi
+        return above and below
+
+    def __str__(self) -> str:
+        if self.lo == 1 and isinstance(self.lo, int):
+            low = "> 0"  # a count
+        else:
+            low = f"{'>' if self.lo_open else '>='} {_num(self.lo)}"
+        return f"{low} and {'<' if self.hi_open else '<='} {_num(self.hi)}"
+
+
+def _num(x: float) -> str:
+    if isinstance(x, int) and x >= 2**16:
+        if x & (x - 1) == 0:
+            return f"2**{x.bit_length() - 1}"
+        if x & (x + 1) == 0:
+            return f"2**{x.bit_length()}-1"
+        return str(x) if x < 10**9 else f"{x:.0e}"
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+_STEPS = 10**12
+_BATCH = 2**24
+RANGES: dict[str, Range] = {
+    # The one table of numeric ranges: every int/float field of the schema (and of its lists)
+    # has an entry, checked in __post_init__ by check_fields; tests/test_bad_input.py walks it.
+    "seed": Range(0, MAX_SEED),
+    "data.synthetic.shape": Range(1, 2**16),
+    "data.synthetic.num_classes": Range(2, 10**6),
+    "data.synthetic.size": Range(1, 10**9),
+    "data.synthetic.test_size": Range(1, 10**9),
+    "data.text.seq_len": Range(1, 2**20),
+    "data.text.max_train_bytes": Range(1, 2**50),
+    "data.text.max_test_bytes": Range(1, 2**50),
+    "data.global_batch_size": Range(1, _BATCH),
+    "data.eval_batch_size": Range(1, _BATCH),
+    "data.test_fraction": Range(0.0, 1.0, lo_open=True, hi_open=True),
+    "data.split_seed": Range(0, MAX_SEED),
+    "data.crop_padding": Range(0, 1024),
+    "data.image_size": Range(1, 8192),
+    "data.num_workers": Range(0, 1024),
+    "model.gpt.layers": Range(1, 1024),
+    "model.gpt.width": Range(1, 2**16),
+    "model.gpt.heads": Range(1, 1024),
+    "model.hidden": Range(1, 2**20),
+    "model.dropout": Range(0.0, 1.0, hi_open=True),
+    "model.num_classes": Range(1, 10**7),
+    "model.in_channels": Range(1, 2**16),
+    "optim.lr": Range(0.0, 10.0, lo_open=True),
+    "optim.weight_decay": Range(0.0, 10.0),
+    "optim.momentum": Range(0.0, 1.0, hi_open=True),
+    "optim.betas": Range(0.0, 1.0, hi_open=True),
+    "sched.warmup_steps": Range(0, _STEPS),
+    "sched.step_size_epochs": Range(1, 10**6),
+    "sched.gamma": Range(0.0, 1.0, lo_open=True),
+    "sched.min_lr_ratio": Range(0.0, 1.0),
+    "sched.pct_start": Range(0.0, 1.0, lo_open=True, hi_open=True),
+    "train.epochs": Range(1, 10**6),
+    "train.max_steps": Range(1, _STEPS),
+    "train.eval_every_steps": Range(0, _STEPS),
+    "train.eval_every_epochs": Range(1, 10**6),
+    "train.fp16_init_scale": Range(1.0, 1e38),  # below float32's max
+    "train.micro_batch_size": Range(1, _BATCH),
+    "train.clip_grad_norm": Range(0.0, 1e6, lo_open=True),
+    "dist.timeout_s": Range(1, 7 * 24 * 3600),
+    "log.every_steps": Range(1, _STEPS),
+    "ckpt.every_steps": Range(0, _STEPS),
+    "ckpt.every_epochs": Range(0, 10**6),
+    "ckpt.keep_last": Range(1, 10**6),
+    "repro.shards": Range(1, 2**16),
+}
+
+NONEMPTY = frozenset(
+    {"name", "run_dir", "data.name", "data.root", "data.text.path", "model.name", "ckpt.dir"}
+    | {"ckpt.resume", "ckpt.init_weights"}
+)
+"""String fields that must not be empty (null, where allowed, is the way to say "none")."""
+
+
+def example(key: str) -> str:
+    """`key=<its default>`: a value the schema accepts, to show in an error."""
+    from trainer.config.schema import defaults
+
+    node = defaults().get(key)
+    if isinstance(node, list):
+        node = "[" + ",".join(map(str, node)) + "]"
+    if isinstance(node, bool):
+        node = str(node).lower()
+    return f"{key}={'null' if node is None else node}"
+
+
+def range_hint(key: str) -> str:
+    """' (needs a number >= lo and <= hi, e.g. key=default)' for a key of RANGES, else ''."""
+    key = re.sub(r"\[\d+\]$", "", key)
+    if key not in RANGES:
+        return ""
+    items = (
+        " for each item" if key in ("data.synthetic.shape", "model.hidden", "optim.betas") else ""
+    )
+    return f" (needs a number {RANGES[key]}{items}, e.g. {example(key)})"
+
+
+def check_fields(obj: Any, prefix: str) -> None:
+    """Check the direct numeric and string fields of one schema dataclass against the tables."""
+    from trainer.config.schema import walk
+
+    for f in walk(obj, prefix, nested=False):
+        key, value = f.key, f.value
+        if isinstance(value, str) and key in NONEMPTY and not value.strip():
+            raise UsageError(f"{key}: must not be empty; e.g. {example(key)}")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or key not in RANGES:
+                continue
+            if v not in RANGES[key]:
+                each = " for each item" if isinstance(value, list) else ""
+                shown = repr(value) if isinstance(value, list) else str(v)
+                raise UsageError(
+                    f"{key}: must be {RANGES[key]}{each}, got {shown}; e.g. {example(key)}"
+                )

@@ -1,0 +1,399 @@
+"""The typed config schema: every field has a default and a docstring; `__post_init__` checks
+values and says what to set. `walk` is the one walker of the schema's fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.config.ranges import check_fields
+from trainer.errors import ConfigError, UsageError, check_choice
+
+DEFAULT_PRESET = "digits-mlp"
+
+
+@dataclass(kw_only=True)
+class SyntheticConfig:
+    """data.name=synthetic: random class prototypes plus noise, generated from data.split_seed."""
+
+    shape: list[int] = field(default_factory=lambda: [3, 32, 32])
+    """One sample's shape, e.g. [3,32,32] (an image) or [20] (a feature vector)."""
+    num_classes: int = 10
+    size: int = 1024
+    """Training samples."""
+    test_size: int = 256
+    """Test samples."""
+
+    def __post_init__(self) -> None:
+        if not self.shape:
+            raise UsageError("data.synthetic.shape: needs positive sizes like [3,32,32], got []")
+        check_fields(self, "data.synthetic.")
+
+
+@dataclass(kw_only=True)
+class TextConfig:
+    """data.name=text: byte-level tokens (a vocabulary of 256) for the language-model task."""
+
+    path: str | None = None
+    """A text file, or a folder of them (every file under it, sorted). null: the running
+    Python's own standard-library .py sources (about 14 MB, nothing to download)."""
+    seq_len: int = 256
+    """Tokens (bytes) the model reads per sample; each sample predicts the next byte at every
+    position."""
+    max_train_bytes: int | None = None
+    """Use only the first N bytes of the training split (null: all of it)."""
+    max_test_bytes: int | None = None
+    """Use only the first N bytes of the test split: evaluation reads all of it every time."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.text.")
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    name: str = "digits"
+    """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic |
+    text, or `package.module:factory`."""
+    root: str = "data"
+    """Folder holding on-disk datasets (mnist, fashion_mnist, cifar10, imagefolder); the error
+    for a missing folder names the files to put there."""
+    download: bool = False
+    """Let torchvision download mnist/fashion_mnist/cifar10 into data.root if absent (needs the
+    network and a writable root; rank 0 downloads while the other ranks wait)."""
+    verify_checksums: bool = True
+    """cifar10: check each file against torchvision's published md5. Off: any well-formed copy."""
+    global_batch_size: int = 64
+    """Samples per optimizer step summed over ALL ranks; each rank takes an equal slice."""
+    eval_batch_size: int = 512
+    """Samples per evaluation batch, summed over all ranks."""
+    shuffle: bool = True
+    """Shuffle training order each epoch (a permutation from seed and epoch)."""
+    drop_last: bool = False
+    """Drop a final partial global batch. Off: the short tail batch is trained, on any world size."""
+    test_fraction: float = 0.2
+    """Held-out share for datasets without an official test split (sklearn)."""
+    split_seed: int = 0
+    """Seed of that train/test split (and of the synthetic data): fixed apart from `seed` so the
+    test set never changes."""
+    normalize: bool = True
+    """Image datasets: subtract the dataset's per-channel mean and divide by its std (off: pixels
+    in [0, 1], as d2l's ToTensor-only pipeline)."""
+    augment: bool = False
+    """Train-time random crop (zero padding data.crop_padding) and horizontal flip, CIFAR-style.
+    Each sample's draw depends only on (seed, epoch, sample index): not on ranks or workers."""
+    crop_padding: int = 4
+    """Pixels of zero padding for the random crop (0: flips only)."""
+    image_size: int = 32
+    """imagefolder: each image is resized (shorter side) and centre-cropped to this square."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (decoding and augmentation); 0: in the main process."""
+    pin_memory: bool = True
+    """Page-locked host batches for faster, asynchronous copies to a GPU (ignored on CPU)."""
+    persistent_workers: bool = False
+    """Keep the workers alive between epochs (needs data.num_workers > 0)."""
+    device_resident: bool = False
+    """Move the whole in-memory dataset to the device once; batches are gathered and augmented
+    there, with no per-step host-to-device copy. A no-op move on CPU."""
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    text: TextConfig = field(default_factory=TextConfig)
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.")
+        if self.persistent_workers and self.num_workers == 0:
+            raise UsageError(
+                "data.persistent_workers=true needs worker processes: set data.num_workers >= 1 "
+                "or data.persistent_workers=false"
+            )
+        if self.device_resident and self.num_workers:
+            raise UsageError(
+                "data.device_resident=true gathers batches on the device, without loader workers: "
+                "set data.num_workers=0 (or data.device_resident=false)"
+            )
+
+
+@dataclass(kw_only=True)
+class GPTConfig:
+    """model.name=gpt: a decoder-only transformer (vocabulary and sequence length: the data's)."""
+
+    layers: int = 4
+    width: int = 128
+    """Embedding width; a multiple of heads."""
+    heads: int = 4
+
+    def __post_init__(self) -> None:
+        check_fields(self, "model.gpt.")
+        if self.width % self.heads:
+            raise UsageError(
+                f"model.gpt.width={self.width} does not split over model.gpt.heads={self.heads}: "
+                "use a width that is a multiple of heads"
+            )
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    name: str = "mlp"
+    """Model: mlp | lenet | resnet18 | vgg11 | gpt, or `package.module:factory`."""
+    hidden: list[int] = field(default_factory=lambda: [256, 128])
+    """Hidden layer widths (mlp)."""
+    dropout: float = 0.0
+    """Dropout probability (mlp, vgg11's classifier). Non-zero dropout draws per-rank randomness."""
+    activation: str = "relu"
+    """relu | sigmoid (lenet: d2l uses sigmoid)."""
+    num_classes: int | None = None
+    """Output size; default: taken from the dataset."""
+    in_channels: int | None = None
+    """Input channels; default: taken from the dataset."""
+    sync_bn: bool = False
+    """Under DDP, replace BatchNorm by SyncBatchNorm (batch statistics over the global batch, so
+    BN models match a single process). torch supports it on CUDA only. World 1: no change."""
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the factory (useful for plug-ins)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "model.")
+        check_choice("model.activation", self.activation, ("relu", "sigmoid"))
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    name: str = "adamw"
+    """sgd | adam | adamw."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.0
+    momentum: float = 0.9
+    """SGD momentum."""
+    nesterov: bool = False
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam/AdamW betas."""
+
+    def __post_init__(self) -> None:
+        check_choice("optim.name", self.name, ("sgd", "adam", "adamw"))
+        check_fields(self, "optim.")
+        if len(self.betas) != 2:
+            raise UsageError(f"optim.betas: needs two values like [0.9,0.999], got {self.betas}")
+
+
+@dataclass(kw_only=True)
+class SchedConfig:
+    name: str = "none"
+    """none | step | cosine | onecycle. The lr is a pure function of the optimizer step."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to optim.lr over this many steps."""
+    step_size_epochs: int = 1
+    """step: multiply by gamma every this many epochs (like torch StepLR stepped per epoch)."""
+    gamma: float = 0.7
+    min_lr_ratio: float = 0.0
+    """cosine: final lr as a fraction of optim.lr."""
+    pct_start: float = 0.3
+    """onecycle: share of the steps spent rising from lr/25 to optim.lr (then cosine to lr/1e4)."""
+
+    def __post_init__(self) -> None:
+        check_choice("sched.name", self.name, ("none", "step", "cosine", "onecycle"))
+        check_fields(self, "sched.")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    epochs: int = 20
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total (null: run all epochs)."""
+    eval_every_steps: int = 0
+    """Evaluate every N optimizer steps; 0: at epoch ends (see eval_every_epochs)."""
+    eval_every_epochs: int = 1
+    """With eval_every_steps=0: evaluate every N epochs. The last step is always evaluated."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16: autocast dtype. fp16 adds a GradScaler; on overflow every rank skips
+    the step together (DDP gives them the same gradients)."""
+    fp16_init_scale: float = 65536.0
+    """fp16: the GradScaler's initial loss scale."""
+    micro_batch_size: int | None = None
+    """Per-rank samples per forward/backward. Smaller than the rank's share of the global batch:
+    the step is split into micro-steps (no DDP sync until the last), same result, less memory."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value (after the all-reduce, before the step)."""
+    compile: bool = False
+    """torch.compile the model (after DDP wrapping)."""
+    channels_last: bool = False
+    """channels_last memory format for 4-D inputs and conv weights (faster convs on GPU)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's (or residual stage's) activations in the backward
+    pass instead of keeping them: less memory, about a third more compute. Same numbers (a
+    BatchNorm inside a block updates its running statistics twice per step)."""
+
+    def __post_init__(self) -> None:
+        check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        check_fields(self, "train.")
+
+
+@dataclass(kw_only=True)
+class DistConfig:
+    strategy: str = "auto"
+    """auto (ddp when world > 1, else none) | none (world 1 only) | ddp | fsdp (FSDP2: parameters,
+    gradients and optimizer state sharded over the ranks) | dp (nn.DataParallel over this
+    process's GPUs; one process only)."""
+    backend: str = "auto"
+    """auto (nccl on CUDA, gloo on CPU) | nccl | gloo."""
+    device: str = "auto"
+    """auto (cuda if available) | cpu | cuda."""
+    timeout_s: int = 300
+    """Bound on any collective and on process-group setup: a lost peer fails, never hangs."""
+
+    def __post_init__(self) -> None:
+        check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp", "fsdp", "dp"))
+        check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
+        check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
+        check_fields(self, "dist.")
+
+
+@dataclass(kw_only=True)
+class FSDPConfig:
+    """dist.strategy=fsdp. Sharding units: each transformer block (each residual stage of a
+    ResNet), then the root; mixed precision follows train.precision (bf16/fp16 parameters and
+    compute, fp32 gradient reduction and fp32 master weights)."""
+
+    reshard_after_forward: bool = True
+    """Free each unit's gathered parameters after its forward (gather again for the backward):
+    less memory, one more all-gather per unit. false keeps them until the backward (ZeRO-2)."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and optimizer state in CPU memory between uses
+    (CUDA only): fits larger models, slower steps."""
+
+
+@dataclass(kw_only=True)
+class LogConfig:
+    every_steps: int = 10
+    """Write a metrics.jsonl record (and a console line) every N optimizer steps."""
+    progress: str = "auto"
+    """auto (a bar on a TTY, plain lines otherwise) | bar | plain | none."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files to <run_dir>/tb (skipped, with a note, if the
+    tensorboard package is not installed: pip install 'trainer[tensorboard]')."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "log.")
+        check_choice("log.progress", self.progress, ("auto", "bar", "plain", "none"))
+
+
+@dataclass(kw_only=True)
+class CkptConfig:
+    dir: str | None = None
+    """Where checkpoints go (default: <run_dir>/checkpoints): a step-<N> folder per save."""
+    every_steps: int = 0
+    """Save every N optimizer steps (0: off)."""
+    every_epochs: int = 1
+    """Save at the end of every N epochs (0: off). The last step and SIGTERM always save."""
+    keep_last: int = 3
+    """Keep the newest N checkpoints; older ones are deleted after a successful save."""
+    resume: str = "auto"
+    """auto (newest checkpoint in `dir` that verifies) | never | PATH (a checkpoint or run dir)."""
+    init_weights: str | None = None
+    """Start from these weights (.safetensors/.pt/.pth; `module.`/`_orig_mod.` prefixes are
+    stripped) when not resuming. Weights only: the optimizer and loop start fresh."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "ckpt.")
+
+
+@dataclass(kw_only=True)
+class ReproConfig:
+    deterministic: bool = False
+    """Deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN deterministic
+    and no benchmark, CUBLAS_WORKSPACE_CONFIG). Slower on GPU; CPU runs are bitwise anyway."""
+    world_invariant: bool = False
+    """The same bits on every world size dividing repro.shards: each global batch is cut into
+    that many fixed shards, each rank computes its shards' gradients one by one, and all shard
+    gradients are added in one fixed tree (docs/training.md: how, and what it costs). Strategy
+    none or ddp; with dist.device=cuda also set repro.deterministic=true."""
+    shards: int = 8
+    """Shards per global batch under repro.world_invariant: a power of two that the world size
+    divides (1, 2, 4 or 8 ranks for 8)."""
+
+
+@dataclass(kw_only=True)
+class Config:
+    name: str = DEFAULT_PRESET
+    """Run name; the default run_dir is runs/<name>."""
+    run_dir: str = "runs/${name}"
+    """Where config.yaml, metrics.jsonl, summary.json and final/ are written."""
+    seed: int = 0
+    """Seeds model init and the data order; same seed + same global batch = same numbers."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    repro: ReproConfig = field(default_factory=ReproConfig)
+
+    def __post_init__(self) -> None:
+        from trainer import registry
+
+        check_fields(self, "")
+        registry.check("data.name", self.data.name)
+        registry.check("model.name", self.model.name)
+        k = self.repro.shards
+        if k < 1 or k & (k - 1):
+            raise ConfigError(
+                f"repro.shards={k} must be a power of two (1, 2, 4, 8, 16, ...): the shards' "
+                "gradients are added in a binary tree"
+            )
+
+
+@dataclass(frozen=True)
+class Field:
+    """One field of the schema, found by walk()."""
+
+    key: str
+    """Its dotted key, e.g. optim.lr."""
+    type: Any
+    """Its type hint, resolved (a section's is its dataclass)."""
+    value: Any
+    """Its value in the walked config (its default when walking a class)."""
+    section: bool
+    """A nested section of keys (e.g. optim), not a value."""
+
+
+def walk(node: Any = None, prefix: str = "", *, nested: bool = True) -> Iterator[Field]:
+    """The fields of a schema dataclass or config instance (default: the Config class), each
+    section followed by its own fields (unless nested=False), in declaration order."""
+    node = Config if node is None else node
+    cls = node if isinstance(node, type) else type(node)
+    hints = _hints(cls)
+    for f in dataclasses.fields(cls):
+        if not isinstance(node, type):
+            value = getattr(node, f.name)
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            value = f.default
+        t = hints[f.name]
+        section = dataclasses.is_dataclass(t)
+        yield Field(f"{prefix}{f.name}", t, value, section)
+        if section and nested:
+            yield from walk(value, f"{prefix}{f.name}.")
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.lru_cache(maxsize=1)
+def fields() -> tuple[Field, ...]:
+    """Every field of the schema with its default (sections too), walked once."""
+    return tuple(walk())
+
+
+@functools.lru_cache(maxsize=1)
+def defaults() -> dict[str, Any]:
+    """Dotted key -> default value, for every field of the schema."""
+    return {f.key: f.value for f in fields()}
