@@ -453,19 +453,13 @@ def run_row(row: Row, work: Path) -> dict:
 
 
 def flops_per_sample(overrides: list[str]) -> float | None:
-    """Forward + backward FLOPs of one sample, counted by torch's FlopCounterMode."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from trainer import config, data, models
+    """Forward + backward FLOPs of one sample of the config's model (trainer.perf counts them)."""
+    from trainer import config, data, models, perf
 
     cfg = config.load(None, overrides)
     spec = data.build(cfg.data, cfg.seed, "cpu")
-    model = models.build(cfg.model, spec.in_shape, spec.num_classes)
-    x = torch.zeros(8, *spec.in_shape)
-    with FlopCounterMode(display=False) as counter:
-        model(x).sum().backward()
-    return counter.get_total_flops() / 8
+    model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task)
+    return perf.flops_per_sample(model, spec.in_shape, spec.task, "cpu")
 
 
 def _output(cmd: list[str]) -> str | None:

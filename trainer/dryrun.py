@@ -22,6 +22,7 @@ import torch
 from trainer import data, metrics, ranks
 from trainer.checkpoint import store
 from trainer.errors import UsageError
+from trainer.results import Results
 from trainer.strategy import unwrap
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ def _checkpoint_round_trip(run: Run) -> dict:
     world, ckpt = run.world, run.ckpt
     scratch = ranks.broadcast_object(os.path.join(ckpt.root, f".dry-run-{uuid.uuid4().hex[:8]}"))
     started = time.perf_counter()
-    path = ckpt.save(run.state, {}, "dry-run", root=scratch)
+    path = ckpt.write(scratch, run.state, Results(), "dry-run")
     try:
         first = _agree(world, lambda: store.verify(path))  # per rank: no collective inside
         if not first:
@@ -128,8 +129,7 @@ def _agree(world, check) -> str | None:
         check()
     except (UsageError, store.CorruptCheckpoint, OSError) as e:
         error = f"rank {world.rank}: {e}"
-    errors = ranks.gather_objects(error)
-    return ranks.broadcast_object(next((e for e in errors if e), None) if world.is_main else None)
+    return ranks.first_of_ranks(error)
 
 
 def _same_weights(run: Run, path: str) -> None:

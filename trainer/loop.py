@@ -18,6 +18,7 @@ from trainer.config import CkptConfig, TrainConfig
 from trainer.errors import ConfigError, Preempted, TrainerError, first_line, io_error
 from trainer.evaluate import evaluate
 from trainer.signals import StopVote
+from trainer.strategy import local_part
 
 if TYPE_CHECKING:
     from trainer.run import Run
@@ -71,7 +72,7 @@ def fit(run: Run) -> None:
     """
     cfg, state = run.cfg, run.state
     clock = TrainClock(  # counting on from the earlier segments of a resumed run
-        before=run.results.get("train_time_s", 0.0), waited=run.results.get("data_wait_s", 0.0)
+        before=run.results.train_time_s, waited=run.results.data_wait_s
     )
     losses = LossSums(run.world.device, run.world.size)
     run.model.train()
@@ -103,8 +104,7 @@ def fit(run: Run) -> None:
                 _save(run, clock, "every_steps")
         epoch_loss = losses.epoch_mean()
         check_loss(run, epoch_loss)
-        if epoch_loss is not None:
-            run.results["train"] = {"loss": epoch_loss, "epoch": state.epoch}
+        run.results.record_train(epoch_loss, state.epoch)
         if state.step_in_epoch >= len(plan):  # the epoch ran to its end
             if should_eval(cfg.train, step=state.step, epoch_done=state.epoch + 1):
                 _evaluate(run, clock)
@@ -115,28 +115,32 @@ def fit(run: Run) -> None:
             ):
                 _save(run, clock, "every_epochs")
     vote.finish()  # the last vote in flight; the run is complete whatever it says
-    if run.results.get("eval", {}).get("step") != state.step:
+    if run.results.eval_step != state.step:
         _evaluate(run, clock)
+    check_log_at_end(run, clock)
     if run.ckpt.last_saved_step != state.step:
         _save(run, clock, "final", must_succeed=True)
-    run.results["train_time_s"] = clock.total
-    run.results["data_wait_s"] = clock.waited
+    run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
 
 
 def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
     """Writes the window's train record; returns the stop-vote cadence the ranks agreed on."""
     samples, steps = losses.window_samples, losses.window_steps
-    # One all-reduce: all ranks' loss shares summed (the global mean loss per step), and their
-    # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank).
-    loss, every = losses.window_mean(StopVote.cadence(clock.since_lap() / steps))
+    # One all-reduce: all ranks' loss shares summed (the global mean loss per step), their
+    # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank),
+    # and rank 0's metrics write error since the last window (its errno; the others add 0).
+    loss, every, failed = losses.window_mean(
+        StopVote.cadence(clock.since_lap() / steps), _write_error_code(run)
+    )
     elapsed, waited = clock.lap()  # after the all-reduce: the window includes waiting for it
+    if failed:
+        _stop_for_metrics(run, clock, failed)
     check_loss(run, loss)
-    run.results["train"] = {"loss": loss}
+    run.results.record_train(loss)
     record = {"kind": "train", "step": run.state.step, "epoch": run.state.epoch, "loss": loss}
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
     run.log.record(record)
-    check_log(run, clock)
     return every
 
 
@@ -163,26 +167,37 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
             run.cfg.data.eval_batch_size,
             whole_batches=run.cfg.repro.world_invariant,
         )
-        result["step"] = run.state.step
-        run.results["eval"] = result
-        metrics = {f"eval.{k}": v for k, v in result.items() if k != "step"}
+        run.results.record_eval(result, run.state.step)
+        metrics = {f"eval.{k}": v for k, v in result.items()}
         run.log.record(
             {"kind": "eval", "step": run.state.step, "epoch": run.state.epoch, **metrics}
         )
-    check_log(run, clock)
 
 
-def check_log(run: Run, clock: TrainClock) -> None:
-    """After a metrics record (rank 0 writes it): if the write failed, every rank learns it,
-    the run saves a checkpoint of where it is, and stops in one line: exit 4 for a full disk or
-    an I/O error (rerunning resumes), 2 for a run_dir that cannot be written at all."""
-    failed = run.log.write_error if run.world.is_main else None
-    failed = ranks.broadcast_object(
-        None if failed is None else (failed.errno, failed.strerror or str(failed), failed.filename)
-    )
-    if failed is None:
-        return
-    error = OSError(*failed)
+def _write_error_code(run: Run) -> int:
+    """Rank 0's first metrics.jsonl write error as a number that can ride an all-reduce: its
+    errno, -1 for an OSError without one, 0 for none (the other ranks write no metrics)."""
+    error = run.log.write_error if run.world.is_main else None
+    return 0 if error is None else (error.errno or -1)
+
+
+def check_log_at_end(run: Run, clock: TrainClock) -> None:
+    """The records written since the last train window (the last evaluation's): one collective
+    at the end of the run, where no window's all-reduce follows."""
+    failed = ranks.all_reduce_sum(torch.tensor(float(_write_error_code(run)))).item()
+    if failed:
+        _stop_for_metrics(run, clock, int(failed))
+
+
+def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
+    """metrics.jsonl could not be written (every rank learnt it from an all-reduce): save a
+    checkpoint of where the run is, and stop in one line: exit 4 for a full disk or an I/O error
+    (rerunning resumes), 2 for a run_dir that cannot be written at all."""
+    import os
+
+    error = run.log.write_error if run.world.is_main else None
+    if error is None:  # the other ranks: the same errno, so the same exit code
+        error = OSError(errno, os.strerror(errno)) if errno > 0 else OSError("write failed")
     step = run.state.step
     if run.ckpt.last_saved_step == step:
         note = f"checkpoint at step {step} already saved"
@@ -203,8 +218,7 @@ def check_log(run: Run, clock: TrainClock) -> None:
 def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = False) -> str | None:
     check_weights(run)  # never a checkpoint of NaN weights over the good ones
     with clock.paused():
-        run.results["train_time_s"] = clock.total
-        run.results["data_wait_s"] = clock.waited
+        run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
         if must_succeed:
             return run.ckpt.save(run.state, run.results, reason)
         run.ckpt.save_or_warn(run.state, run.results, reason)
@@ -235,8 +249,7 @@ def check_weights(run: Run) -> None:
     no step pays a device-to-host sync for it."""
     flag = torch.zeros((), dtype=torch.float32, device=run.world.device)
     for p in run.model.parameters():
-        local = p.detach()
-        local = local.to_local() if hasattr(local, "to_local") else local  # FSDP shards
+        local = local_part(p.detach())  # FSDP shards
         if local.is_floating_point():
             flag += (~torch.isfinite(local)).any()
     if ranks.all_reduce_sum(flag).item():
@@ -273,15 +286,18 @@ class LossSums:
         self.epoch_steps += 1
         self.window_samples += count
 
-    def window_mean(self, proposal: int = 1) -> tuple[float, int]:
-        """The window's mean loss per step over all ranks, and the mean of the ranks' integer
-        `proposal`s rounded up (one collective); starts a new window."""
-        both = torch.stack([self.window, self.window.new_tensor(float(proposal))])
-        loss, proposals = ranks.all_reduce_sum(both).tolist()
+    def window_mean(self, proposal: int = 1, flag: int = 0) -> tuple[float, int, int]:
+        """The window's mean loss per step over all ranks, the mean of the ranks' integer
+        `proposal`s rounded up, and the sum of their integer `flag`s (one collective); starts a
+        new window."""
+        extra = self.window.new_tensor([float(proposal), float(flag)])
+        loss, proposals, flags = ranks.all_reduce_sum(
+            torch.cat([self.window[None], extra])
+        ).tolist()
         self.window.zero_()
         mean = loss / self.window_steps
         self.window_steps = self.window_samples = 0
-        return mean, math.ceil(proposals / self.world_size)
+        return mean, math.ceil(proposals / self.world_size), int(flags)
 
     def epoch_mean(self) -> float | None:
         """The epoch's mean loss per step (a collective), None if it had no steps; starts anew."""

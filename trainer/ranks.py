@@ -281,6 +281,13 @@ def gather_objects(obj, dst: int = 0) -> list | None:
     return out
 
 
+def first_of_ranks(obj):
+    """The lowest rank's non-None `obj` (e.g. an error), on every rank; None if every rank's is
+    None. Rank 0 gathers and picks, so all ranks act on the same one."""
+    objs = gather_objects(obj)
+    return broadcast_object(next((o for o in objs if o is not None), None) if objs else None)
+
+
 def all_reduce_sum(tensor):
     """Sum a tensor over all ranks in place (no-op in a single process); returns it."""
     import torch.distributed as dist

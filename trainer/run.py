@@ -11,13 +11,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, models, optim, perf, sampler
+from trainer import data, models, optim, perf, repro, sampler
 from trainer.checkpoint.manager import Checkpointer, LoopState
+from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, TrainConfig
 from trainer.errors import ConfigError
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
 from trainer.ranks import World
+from trainer.results import Results
 from trainer.signals import StopSignal
 from trainer.step import TrainStep, make_scaler
 from trainer.strategy import Strategy, WorldInvariant, checkpoint_activations, rank_memory
@@ -36,7 +38,7 @@ class Run:
     stop: StopSignal
     state: LoopState
     """Where training is; restored from a checkpoint on resume."""
-    results: dict = field(default_factory=dict)
+    results: Results = field(default_factory=Results)
     """Latest train/eval results and the train time so far (restored on resume)."""
     steps_per_epoch: int
     total_steps: int
@@ -113,6 +115,17 @@ def _check_shards_fit_batchnorm(cfg: Config, model: torch.nn.Module, n: int) -> 
         )
 
 
+def _fresh_start(
+    cfg: Config, world: World, step: TrainStep, log: RunLogger
+) -> tuple[LoopState, Results]:
+    """No checkpoint to resume: ckpt.init_weights if set, then each rank's own RNG stream."""
+    if cfg.ckpt.init_weights:
+        load_weights_into(step.model, cfg.ckpt.init_weights, step.strategy, cfg.model)
+        log.info(f"initial weights from {cfg.ckpt.init_weights}")
+    repro.seed_rank(cfg.seed, world.rank)
+    return LoopState(), Results()
+
+
 def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, started: float) -> Run:
     """Data, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
@@ -157,7 +170,8 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
     if note := strategy.note(world):
         log.info(note)
     ckpt = Checkpointer(cfg, world, step, log)
-    state, results = ckpt.restore()
+    resumed = ckpt.restore()
+    state, results = resumed or _fresh_start(cfg, world, step, log)
     return Run(
         cfg=cfg,
         world=world,

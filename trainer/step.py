@@ -25,6 +25,28 @@ from trainer.strategy import Strategy
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+class StateMismatch(ValueError):
+    """A saved state that does not fit this step; `part` names which (model, optimizer,
+    scheduler, scaler) and `detail` says how."""
+
+    def __init__(self, part: str, detail: str):
+        super().__init__(f"{part}: {detail}")
+        self.part, self.detail = part, detail
+
+
+@contextlib.contextmanager
+def _loading(part: str):
+    """A loader's complaint about the saved contents -> StateMismatch naming the part."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        if isinstance(e, StateMismatch):
+            raise
+        from trainer.errors import first_line
+
+        raise StateMismatch(part, first_line(e)) from None
+
+
 def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Summed (not averaged) loss over this rank's samples (tokens, for lm); 0 for an empty slice.
     In fp32 whatever the compute dtype (FSDP's bf16 parameters give bf16 outputs)."""
@@ -69,6 +91,38 @@ class TrainStep:
     """repro.world_invariant: per-shard gradients summed in a fixed tree (trainer/invariant.py)."""
     seed: int = 0
     """Seeds each shard's dropout (with the step and shard index) under repro.world_invariant."""
+
+    def state_dict(self, *, tensors: bool = True) -> dict:
+        """What a checkpoint holds of this step: the schedule's position and the loss scaler,
+        and (tensors=True) the model's full weights and the optimizer's state, which a sharded
+        checkpoint writes itself (checkpoint/sharded.py) instead."""
+        out = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
+        if tensors:
+            out["model"] = self.strategy.full_state_dict(self.model)
+            out["optimizer"] = self.optimizer.state_dict()
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        """Load what state_dict gave (the parts present); StateMismatch names a part that does
+        not fit. The lr schedule is this run's (a pure function of the step, so a resume may
+        change train.epochs): only the scheduler's position is restored."""
+        if "model" in state:
+            from trainer.checkpoint.weights import fit_problem
+
+            if problem := fit_problem(self.model, state["model"]):
+                raise StateMismatch("model", problem)
+            self.strategy.load_state_dict(self.model, state["model"])
+        if "optimizer" in state:
+            with _loading("optimizer"):
+                self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+        sched = dict(state["scheduler"])
+        lambdas = sched.get("lr_lambdas", [])
+        sched["lr_lambdas"] = [None] * (len(lambdas) if isinstance(lambdas, list) else 0)
+        with _loading("scheduler"):
+            self.scheduler.load_state_dict(sched)
+        if state.get("scaler"):
+            with _loading("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
 
     def _chunks(self, x, y):
         micro = self.cfg.micro_batch_size

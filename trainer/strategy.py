@@ -274,14 +274,15 @@ def checkpoint_activations(model: nn.Module) -> None:
         unit.forward = recomputed
 
 
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP DTensor's local shard, any other tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def rank_memory(model: nn.Module, optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state held by this rank (its shards under
     fsdp; a gradient counted as the size of its parameter, which a backward allocates)."""
-
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
-    params = [local(p) for p in model.parameters()]
+    params = [local_part(p) for p in model.parameters()]
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(
         p.numel() * p.element_size()
@@ -292,7 +293,7 @@ def rank_memory(model: nn.Module, optimizer) -> dict[str, int]:
     for state in optimizer.state.values():
         for v in state.values():
             if isinstance(v, torch.Tensor):
-                v = local(v)
+                v = local_part(v)
                 opt_bytes += v.numel() * v.element_size()
     return {
         "param_bytes": param_bytes,

@@ -109,7 +109,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
 def finish(run: Run, record: dict) -> dict:
     """summary.json and final/model.safetensors (rank 0), and the closing console line."""
     state, results, w = run.state, run.results, run.world
-    train_time = results["train_time_s"]  # all segments of a resumed run
+    train_time = results.train_time_s  # all segments of a resumed run
     skipped = ranks.gather_objects(run.step.skipped_steps)  # fp16 overflow, per rank
     memory = ranks.gather_objects(run.memory())
     summary = {
@@ -117,8 +117,8 @@ def finish(run: Run, record: dict) -> dict:
         "steps": state.step,
         "epochs": state.epoch,
         "samples_seen": state.samples_seen,
-        "train": results.get("train", {}),
-        "eval": {k: v for k, v in results["eval"].items() if k != "step"},
+        "train": results.train(),
+        "eval": dict(results.eval),
         "train_time_s": train_time,
         **_throughput(run, train_time),
         "wall_s": time.time() - run.started,
@@ -153,9 +153,7 @@ def finish(run: Run, record: dict) -> dict:
 
 def _throughput(run: Run, train_time: float) -> dict:
     """Whole-run throughput: samples/s (tokens/s), data-wait share, FLOPs per sample, MFU."""
-    out = loop.throughput(
-        run, run.state.samples_seen, train_time, run.results.get("data_wait_s", 0.0)
-    )
+    out = loop.throughput(run, run.state.samples_seen, train_time, run.results.data_wait_s)
     out["flops_per_sample"] = run.flops_per_sample
     out["peak_flops"] = run.peak_flops
     out.setdefault("mfu", None)

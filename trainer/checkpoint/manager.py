@@ -14,11 +14,9 @@ import time
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from trainer import metrics, ranks, repro
 from trainer.checkpoint import store
-from trainer.checkpoint.weights import flatten, load_weights_into
+from trainer.checkpoint.weights import flatten
 from trainer.config import Config, to_dict, to_yaml
 from trainer.errors import (
     ConfigError,
@@ -28,6 +26,8 @@ from trainer.errors import (
     io_error,
     is_permanent_io,
 )
+from trainer.results import Results
+from trainer.step import StateMismatch
 
 if TYPE_CHECKING:
     from trainer.metrics import RunLogger
@@ -143,8 +143,9 @@ class Checkpointer:
 
     # --- restore -----------------------------------------------------------------------------
 
-    def restore(self) -> tuple[LoopState, dict]:
-        """The loop state to start from (resumed or fresh) and the results saved with it.
+    def restore(self) -> tuple[LoopState, Results] | None:
+        """The loop state to resume from and the results saved with it; None for a fresh start
+        (run.build then initialises the weights and seeds the ranks).
 
         A checkpoint that verifies but whose contents do not fit (edited and re-sealed, another
         model) is passed over like a corrupt one under ckpt.resume=auto (or a run directory):
@@ -165,15 +166,13 @@ class Checkpointer:
             if error:
                 raise ConfigError(error)  # rank 0 decided for everyone: reported once
             if choice is None:
-                return self._fresh_start()
+                self.last_saved_step = 0  # step 0 needs no checkpoint: a fresh start remakes it
+                return None
             try:
                 loaded, problem = self._load(choice), None
             except store.CorruptCheckpoint as e:
                 loaded, problem = None, first_line(e)
-            problems = ranks.gather_objects(problem)  # the ranks agree before anyone trains on
-            if self.world.is_main:
-                problem = next((p for p in problems if p), None)
-            problem = ranks.broadcast_object(problem)
+            problem = ranks.first_of_ranks(problem)  # the ranks agree before anyone trains on
             if problem is None:
                 return loaded
             if store.is_step_dir(self.cfg.ckpt.resume):
@@ -213,17 +212,7 @@ class Checkpointer:
             permanent, message = problem
             raise ConfigError(message) if permanent else CheckpointWriteError(message)
 
-    def _fresh_start(self) -> tuple[LoopState, dict]:
-        if self.cfg.ckpt.init_weights:
-            load_weights_into(
-                self.step.model, self.cfg.ckpt.init_weights, self.step.strategy, self.cfg.model
-            )
-            self.log.info(f"initial weights from {self.cfg.ckpt.init_weights}")
-        repro.seed_rank(self.cfg.seed, self.world.rank)
-        self.last_saved_step = 0  # step 0 needs no checkpoint: a fresh start recreates it
-        return LoopState(), {}
-
-    def _load(self, path: str) -> tuple[LoopState, dict]:
+    def _load(self, path: str) -> tuple[LoopState, Results]:
         if not os.path.isdir(path):
             raise UsageError(
                 f"rank {self.world.rank} on {repro.hostname()} cannot see checkpoint {path}: "
@@ -248,25 +237,17 @@ class Checkpointer:
                 f"cannot resume {path}: the config changed ({'; '.join(conflicts[:4])}); "
                 "use the saved values, or start fresh with ckpt.resume=never or a new run_dir"
             )
-        step = self.step
+        trained = {k: extra.get(k) for k in ("scheduler", "scaler")}
         if store.is_sharded(path):
             from trainer.checkpoint import sharded
 
-            sharded.load(step.model, step.optimizer, path)
+            sharded.load(self.step.model, self.step.optimizer, path)
         else:
-            _check_weights(step.model, payload["model"])
-            step.strategy.load_state_dict(step.model, payload["model"])
-            with _damaged_if_it_fails("optimizer.pt does not fit this optimizer"):
-                step.strategy.load_optimizer_state(step.model, step.optimizer, payload["optimizer"])
-        sched = dict(extra["scheduler"])
-        # The lr is a pure function of the step: keep this run's schedule, restore its position.
-        lambdas = sched.get("lr_lambdas", [])
-        sched["lr_lambdas"] = [None] * (len(lambdas) if isinstance(lambdas, list) else 0)
-        with _damaged_if_it_fails("state.pt: the scheduler state does not fit"):
-            step.scheduler.load_state_dict(sched)
-        if extra.get("scaler"):
-            with _damaged_if_it_fails("state.pt: the grad scaler state does not fit"):
-                step.scaler.load_state_dict(extra["scaler"])
+            trained.update(model=payload["model"], optimizer=payload["optimizer"])
+        try:
+            self.step.load_state_dict(trained)
+        except StateMismatch as e:
+            raise store.CorruptCheckpoint(f"{_PARTS[e.part]} ({e.detail})") from None
         state = LoopState(**meta["loop"])
         rngs = extra["rng"]
         if len(rngs) == self.world.size:
@@ -282,31 +263,40 @@ class Checkpointer:
             f"step {state.step_in_epoch} of the epoch){note}"
         )
         self.last_saved_step = state.step
-        return state, meta.get("results", {})
+        return state, Results.from_dict(meta.get("results", {}))
 
     # --- save --------------------------------------------------------------------------------
 
-    def save(self, state: LoopState, results: dict, reason: str, root: str | None = None) -> str:
-        """Write a full checkpoint (a collective); raises CheckpointWriteError on every rank.
-
-        `root` saves elsewhere (the dry run's scratch folder) without pruning or counting it.
-        """
-        rngs = ranks.gather_objects(repro.rng_state(self.world.device))
+    def save(self, state: LoopState, results: Results, reason: str) -> str:
+        """Write the run's next checkpoint (a collective), prune old ones, and say so; raises
+        CheckpointWriteError (ConfigError when ckpt.dir cannot be written at all) on every rank."""
         started = time.perf_counter()
-        target = root or self.root
+        path = self.write(self.root, state, results, reason)
+        if self.world.is_main:
+            store.prune(self.root, self.cfg.ckpt.keep_last)
+        self.last_saved_step = state.step
+        took = time.perf_counter() - started
+        self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
+        return path
+
+    def write(self, root: str, state: LoopState, results: Results, reason: str) -> str:
+        """Write a full checkpoint of this step into `root` (a collective) and return its path;
+        a failure raises on every rank. save() is the run's; the dry run writes to a scratch
+        folder."""
+        rngs = ranks.gather_objects(repro.rng_state(self.world.device))
         permanent = False
         try:
             if self.step.strategy.sharded:
-                path = self._write_sharded(target, state, results, reason, rngs)
+                path = self._write_sharded(root, state, results, reason, rngs)
             else:
-                path = self._write_whole(target, state, results, reason, rngs)
+                path = self._write_whole(root, state, results, reason, rngs)
             error = None
         except Exception as e:  # OSError, torch/safetensors/DCP write errors: disk full, I/O, ...
             path, error = None, store.describe_error(e)
             permanent = is_permanent_io(store.root_cause(e))
         if error and self.world.is_main:
             error = (
-                f"checkpoint at step {state.step} could not be written to {target} ({error}); "
+                f"checkpoint at step {state.step} could not be written to {root} ({error}); "
                 f"the previous checkpoint is intact: {store.latest_valid(self.root) or 'none yet'}"
             )
             if permanent:  # read-only, no permission, ...: no retry can help
@@ -316,29 +306,22 @@ class Checkpointer:
         if error:
             self.failures += 1
             raise (ConfigError if permanent else CheckpointWriteError)(error)
-        if root is None:
-            if self.world.is_main:
-                store.prune(self.root, self.cfg.ckpt.keep_last)
-            self.last_saved_step = state.step
-        if reason != "dry-run":
-            took = time.perf_counter() - started
-            self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
         return path
 
-    def _write_whole(self, root: str, state: LoopState, results: dict, reason: str, rngs):
+    def _write_whole(self, root: str, state: LoopState, results: Results, reason: str, rngs):
         """Rank 0 writes the whole checkpoint; the other ranks hold the same replica."""
         if not self.world.is_main:
             return None
-        step = self.step
+        trained = self.step.state_dict()
         return store.write(
             root,
             state.step,
-            model=step.strategy.full_state_dict(step.model),
-            optimizer=step.optimizer.state_dict(),
-            **self._common(state, results, reason, rngs, "whole"),
+            model=trained.pop("model"),
+            optimizer=trained.pop("optimizer"),
+            **self._common(state, results, reason, rngs, "whole", trained),
         )
 
-    def _write_sharded(self, root: str, state: LoopState, results: dict, reason: str, rngs):
+    def _write_sharded(self, root: str, state: LoopState, results: Results, reason: str, rngs):
         """Every rank writes its shards into one temporary directory (rank 0 names it), which
         rank 0 then seals with the common files and the manifest and renames into place."""
         path = store.step_dir(root, state.step)
@@ -362,7 +345,8 @@ class Checkpointer:
                         f"shards {', '.join(missing[:3])} never arrived: ckpt.dir must be storage "
                         "every node mounts (a shared volume / RWX PVC)"
                     )
-                store.seal(tmp, **self._common(state, results, reason, rngs, "sharded"))
+                trained = self.step.state_dict(tensors=False)
+                store.seal(tmp, **self._common(state, results, reason, rngs, "sharded", trained))
                 store.commit(tmp, path)
         except BaseException:
             if self.world.is_main:
@@ -370,31 +354,33 @@ class Checkpointer:
             raise
         return path if self.world.is_main else None
 
-    def _common(self, state: LoopState, results: dict, reason: str, rngs, fmt: str) -> dict:
-        """state.pt, meta.json and config.yaml: what every checkpoint holds beside the tensors."""
-        step = self.step
+    def _common(
+        self, state: LoopState, results: Results, reason: str, rngs, fmt: str, trained: dict
+    ) -> dict:
+        """state.pt, meta.json and config.yaml: what every checkpoint holds beside the tensors
+        (`trained`: TrainStep.state_dict's schedule and scaler)."""
         return {
             "extra": {
-                "scheduler": step.scheduler.state_dict(),
-                "scaler": step.scaler.state_dict(),
+                "scheduler": trained["scheduler"],
+                "scaler": trained["scaler"],
                 "rng": rngs,
                 "world_size": self.world.size,
             },
             "meta": {
                 "loop": state.as_dict(),
                 "format": fmt,
-                "strategy": step.strategy.name,
+                "strategy": self.step.strategy.name,
                 "reason": reason,
                 "world_size": self.world.size,
                 "restart_count": self.world.restart_count,
                 "time": time.time(),
-                "results": _jsonable(results),
+                "results": results.to_dict(),
                 "versions": metrics.versions(),
             },
             "config_yaml": to_yaml(self.cfg),
         }
 
-    def save_or_warn(self, state: LoopState, results: dict, reason: str) -> None:
+    def save_or_warn(self, state: LoopState, results: Results, reason: str) -> None:
         """Periodic saves: a failure is reported loudly but training goes on."""
         try:
             self.save(state, results, reason)
@@ -402,48 +388,10 @@ class Checkpointer:
             self.log.info(f"WARNING: {e}; training continues, the next save will retry")
 
 
-def _check_weights(model, state: dict) -> None:
-    """A checkpoint's weights have this model's names and shapes (CorruptCheckpoint if not)."""
-    from trainer.strategy import unwrap
-
-    expected = unwrap(model).state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        raise store.CorruptCheckpoint(
-            f"model.safetensors does not hold this model's weights (missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]})"
-        )
-    for name, tensor in expected.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            raise store.CorruptCheckpoint(
-                f"model.safetensors: {name} has shape {tuple(state[name].shape)}, the model "
-                f"{tuple(tensor.shape)}"
-            )
-
-
-class _damaged_if_it_fails:
-    """Turn a state loader's complaint about saved contents into CorruptCheckpoint."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, kind, e, tb):
-        if isinstance(e, (KeyError, IndexError, TypeError, ValueError, RuntimeError)):
-            raise store.CorruptCheckpoint(f"{self.what} ({first_line(e)})") from None
-        return False
-
-
-def _jsonable(results: dict) -> dict:
-    out = {}
-    for k, v in results.items():
-        if isinstance(v, dict):
-            out[k] = _jsonable(v)
-        elif isinstance(v, (int, float, str, bool)) or v is None:
-            out[k] = v
-        elif isinstance(v, torch.Tensor) and v.numel() == 1:
-            out[k] = v.item()
-    return out
+_PARTS = {
+    "model": "model.safetensors does not hold this model's weights",
+    "optimizer": "optimizer.pt does not fit this optimizer",
+    "scheduler": "state.pt: the scheduler state does not fit",
+    "scaler": "state.pt: the grad scaler state does not fit",
+}
+"""What a checkpoint file holds of each part of TrainStep.state_dict, for CorruptCheckpoint."""

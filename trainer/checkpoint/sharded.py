@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from trainer.checkpoint.store import SHARDED_DIR, describe_error
 from trainer.errors import UsageError, first_line
-from trainer.strategy import unwrap
+from trainer.strategy import local_part, unwrap
 
 _METADATA_GLOBALS = {
     *(
@@ -166,10 +166,7 @@ def local_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """This rank's part of the model's weights (its shards; whole tensors when not sharded)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return {
-        k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()
-        for k, v in get_model_state_dict(unwrap(model)).items()
-    }
+    return {k: local_part(v).detach().cpu() for k, v in get_model_state_dict(unwrap(model)).items()}
 
 
 def read_local_model(model: torch.nn.Module, folder: str) -> dict[str, torch.Tensor]:
@@ -181,7 +178,4 @@ def read_local_model(model: torch.nn.Module, folder: str) -> dict[str, torch.Ten
         "model": {k: torch.empty_like(v) for k, v in get_model_state_dict(unwrap(model)).items()}
     }
     _load(template, os.path.join(folder, SHARDED_DIR))
-    return {
-        k: (v.to_local() if hasattr(v, "to_local") else v).detach().cpu()
-        for k, v in template["model"].items()
-    }
+    return {k: local_part(v).detach().cpu() for k, v in template["model"].items()}

@@ -361,6 +361,7 @@ def check_payload(payload: dict) -> None:
         or not isinstance(results.get("train", {}), dict)
         or not isinstance(results.get("eval", {}), dict)
         or not _is_number(results.get("train_time_s", 0.0))
+        or not _is_number(results.get("data_wait_s", 0.0))
     ):
         raise CorruptCheckpoint("meta.json: 'results' is not {train: {...}, eval: {...}, ...}")
     extra = payload["extra"]
@@ -423,22 +424,25 @@ def remove_stale_temporaries(root: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _first_failure(e: BaseException) -> tuple[int, object] | None:
+    """(rank, its error) for the first rank inside DCP's CheckpointException, else None."""
+    failures = getattr(e, "failures", None)
+    if not isinstance(failures, dict) or not failures:
+        return None
+    rank, cause = sorted(failures.items())[0]
+    return rank, cause[0] if isinstance(cause, tuple) else cause  # (exception, stack summary)
+
+
 def root_cause(e: BaseException) -> BaseException:
     """The exception behind an error: the first rank's inside DCP's CheckpointException."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        _, cause = sorted(failures.items())[0]
-        inner = cause[0] if isinstance(cause, tuple) else cause
-        if isinstance(inner, BaseException):
-            return inner
-    return e
+    first = _first_failure(e)
+    return first[1] if first and isinstance(first[1], BaseException) else e
 
 
 def describe_error(e: BaseException) -> str:
     """One line for an error, reaching inside DCP's CheckpointException to the first rank's."""
-    failures = getattr(e, "failures", None)
-    if isinstance(failures, dict) and failures:
-        rank, cause = sorted(failures.items())[0]
-        inner = cause[0] if isinstance(cause, tuple) else cause  # (exception, its stack summary)
-        return f"rank {rank}: {first_line(inner) if isinstance(inner, BaseException) else inner}"
-    return first_line(e)
+    first = _first_failure(e)
+    if first is None:
+        return first_line(e)
+    rank, inner = first
+    return f"rank {rank}: {first_line(inner) if isinstance(inner, BaseException) else inner}"

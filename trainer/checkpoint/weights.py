@@ -101,6 +101,19 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return strip_prefixes(state)
 
 
+def fit_problem(model: nn.Module, state: dict) -> str | None:
+    """How a state dict fails to fit `model` (names first, then shapes), or None if it fits."""
+    expected = unwrap(model).state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        return f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+    for name, tensor in expected.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            return f"{name} has shape {tuple(state[name].shape)} there, {tuple(tensor.shape)} here"
+    return None
+
+
 def load_weights_into(
     model: nn.Module, path: str, strategy: Strategy | None = None, model_cfg=None
 ) -> None:
@@ -110,22 +123,11 @@ def load_weights_into(
     `model_cfg` (the ModelConfig that built `model`) lets a mismatch name the config key that
     differs from the config saved with the weights."""
     state = read_weights(path)
-    expected = unwrap(model).state_dict()
-    missing, unexpected = (
-        sorted(expected.keys() - state.keys()),
-        sorted(state.keys() - expected.keys()),
-    )
-    if missing or unexpected:
+    problem = fit_problem(model, state)
+    if problem:
         raise UsageError(
-            f"{path}: weights do not fit model (missing {missing[:5]}, unexpected "
-            f"{unexpected[:5]}): {config_hint(path, model_cfg)}"
+            f"{path}: weights do not fit model ({problem}): {config_hint(path, model_cfg)}"
         )
-    for name, tensor in expected.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            raise UsageError(
-                f"{path}: weights do not fit model ({name} has shape {tuple(state[name].shape)} "
-                f"there, {tuple(tensor.shape)} here): {config_hint(path, model_cfg)}"
-            )
     bad = [n for n, t in state.items() if t.is_floating_point() and not bool(t.isfinite().all())]
     if bad:
         more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
