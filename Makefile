@@ -56,11 +56,14 @@ run-local: setup  ## train the default config with 2 CPU processes (torchrun, gl
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
 		-m trainer train dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS)
 
-test: setup  ## the whole test suite (what CI runs)
-	$(BIN)/pytest $(PYTEST_ARGS)
+# Two workers (tests/conftest.py: shared runs stay on one, `serial` tests run alone).
+XDIST ?= -n 2 --dist loadgroup
 
-test-quick: setup  ## the suite without the tests marked slow (a few minutes: the edit-test loop)
-	$(BIN)/pytest -m "not slow" $(PYTEST_ARGS)
+test: setup  ## the whole test suite (what CI runs)
+	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
+
+test-quick: setup  ## the suite without the tests marked slow (under 3 minutes: the edit-test loop)
+	$(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min, ~10 GB)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)

@@ -1,6 +1,17 @@
-"""Shared, session-scoped reference runs: each is launched once and compared against by many tests."""
+"""Shared, session-scoped reference runs (each launched once, compared against by many tests),
+and how the suite runs on two workers (`make test`: pytest-xdist, `-n 2 --dist loadgroup`).
 
+Two workers: most tests wait on real processes (startup, rendezvous, restarts) and leave a core
+idle. Tests that share a module- or session-scoped run stay on one worker (an xdist_group), so
+the run is made once. Tests marked `serial` measure a bound in time (how soon a signal stops the
+ranks): they run alone, the other worker waits (a reader-writer lock on a file).
+"""
+
+import contextlib
+import fcntl
+import os
 import re
+import tempfile
 
 import pytest
 
@@ -30,13 +41,66 @@ def reference_runs(tmp_path_factory):
     return get
 
 
+_OWN_FIXTURES = ("reference_runs",)
+"""Session-scoped fixtures of this suite (not pytest's, like tmp_path_factory): a run they make
+is shared by tests in several files, which therefore share one worker."""
+
+
+def _xdist_group(item) -> str | None:
+    """The worker group of a test that uses a shared run: the session's, else its module's."""
+    defs = getattr(item, "_fixtureinfo", None)
+    if defs is None:
+        return None
+    scopes = {name: d[-1].scope for name, d in defs.name2fixturedefs.items() if d}
+    if any(name in _OWN_FIXTURES for name in scopes):
+        return "session-runs"
+    own = [n for n, s in scopes.items() if s == "module"]
+    return item.module.__name__ if own else None
+
+
+@contextlib.contextmanager
+def _cpu_share(exclusive: bool):
+    """Under xdist: shared for ordinary tests, exclusive for `serial` ones. The gate stops new
+    shared holders while an exclusive one waits, so it never starves."""
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if uid is None:
+        yield
+        return
+    base = os.path.join(tempfile.gettempdir(), f"trainer-tests-{uid}")
+    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Around setup, call and teardown, so a module fixture's run counts as the test's load."""
+    with _cpu_share(exclusive=item.get_closest_marker("serial") is not None):
+        yield
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
 def pytest_collection_modifyitems(config, items):
-    """GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
+    """Grouped tests (shared runs) first, so the long groups start early on two workers and no
+    worker ends alone with one; otherwise the collection order.
+
+    GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
     (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.
     """
+    for item in items:
+        if group := _xdist_group(item):
+            item.add_marker(pytest.mark.xdist_group(group))
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     expr = config.getoption("markexpr", "") or ""
     if not re.search(r"(?<!not )\bimage\b", expr):
         image = [item for item in items if item.get_closest_marker("image")]

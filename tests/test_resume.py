@@ -150,6 +150,7 @@ def _signal_one_rank(tmp_path, steps: int, *overrides) -> tuple[int, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a bound in time: alone on the machine
 def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
     """The stop vote runs in the background: a signal that lands in step k stops every rank
     after step k+1 (README: the bound), with one checkpoint and exit 3 on both ranks."""
@@ -160,6 +161,7 @@ def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a bound in time: alone on the machine
 def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_second(tmp_path):
     """Votes every ~0.2 s of steps (signals.StopVote.cadence): at 20 ms a step, every 10 steps at
     most, so a signal in step k stops both ranks together by step k + 10."""
@@ -194,6 +196,7 @@ def test_a_signal_during_setup_exits_3_without_a_traceback(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a bound in time: alone on the machine
 def test_a_second_signal_exits_at_once(tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn("train", *BASE, "model.kwargs.delay=8", f"run_dir={run_dir}")  # 8 s per step

@@ -11,6 +11,7 @@ import torch
 
 from tests.helpers import TINY_GPT, read_jsonl, trainer, weights
 from trainer import config, invariant, sampler
+from trainer.errors import ConfigError
 
 MLP = [
     "model.hidden=[32]",
@@ -112,7 +113,7 @@ def test_cuda_needs_deterministic_kernels():
 
     cfg = config.load(None, ["repro.world_invariant=true"])
     world = World(rank=0, local_rank=0, size=1, device="cuda:0", backend="nccl")
-    with pytest.raises(config.ConfigError, match="add repro.deterministic=true"):
+    with pytest.raises(ConfigError, match="add repro.deterministic=true"):
         choose(cfg, world)
     cfg.repro.deterministic = True
     assert choose(cfg, world).name == "none"
@@ -134,7 +135,7 @@ def test_batchnorm_shards_of_one_sample_are_refused_before_training(tmp_path):
 
 @pytest.mark.parametrize("shards", [0, 3, 6, -8])
 def test_shards_must_be_a_power_of_two(shards):
-    with pytest.raises(config.ConfigError, match="must be a power of two"):
+    with pytest.raises(ConfigError, match="must be a power of two"):
         config.load(None, [f"repro.shards={shards}"])
 
 
