@@ -12,7 +12,7 @@ import torch
 
 from tests import helpers
 from tests.helpers import ROOT, checkpoints, children, env, spawn, trainer, wait_for, weights
-from trainer import doctor
+from trainer import config, doctor
 
 RESTART = [
     "model.name=tests.helpers:slow_mlp",
@@ -88,8 +88,22 @@ def test_dry_run_exercises_the_tail_batch_and_a_checkpoint_round_trip_and_keeps_
     assert "checkpoint" in p.stdout and "saved, verified and loaded" in p.stdout
     assert _tree_digest(run_dir) == before  # nothing written, nothing lost
 
+
+def test_a_fresh_dry_run_round_trips_a_real_checkpoint_and_leaves_no_run_behind(
+    tmp_path, monkeypatch
+):
+    """In this process: the round trip writes bytes, verifies them and compares the weights."""
+    from trainer import dryrun
+    from trainer.checkpoint import store
+    from trainer.train import train
+
+    verified, compared = [], []
+    real_verify, real_same = store.verify, dryrun._same_weights
+    monkeypatch.setattr(store, "verify", lambda p: verified.append(p) or real_verify(p))
+    monkeypatch.setattr(dryrun, "_same_weights", lambda r, p: compared.append(p) or real_same(r, p))
     fresh = tmp_path / "fresh"
-    trainer("train", "--dry-run", *TINY, f"run_dir={fresh}")
+    report = train(config.load(None, [*TINY, f"run_dir={fresh}"]), dry_run=True)
+    assert report["checkpoint"]["bytes"] > 0 and verified and compared == verified
     assert not fresh.exists() or not any(fresh.rglob("*.json"))
 
 

@@ -4,7 +4,7 @@ import signal
 
 import torch
 
-from trainer import signals
+from trainer import loop, signals
 from trainer.config import CkptConfig, TrainConfig
 from trainer.loop import LossSums, TrainClock, should_eval, should_log, should_save
 from trainer.signals import StopSignal, StopVote
@@ -88,7 +88,15 @@ def test_stop_votes_are_posted_every_n_steps_and_read_one_step_later(monkeypatch
     assert stops == [21]  # = 17 + 4 <= 17 + every
 
 
-def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence():
+def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence(monkeypatch):
+    # Two ranks: the other one's shares arrive through the all-reduce (loss 1, cadence 10,
+    # metrics errno 5); the cadence is the ranks' mean rounded up, the flags their sum.
+    two = LossSums("cpu", world_size=2)
+    two.add(torch.tensor(2.0), 64)
+    other = torch.tensor([1.0, 10.0, 5.0], dtype=torch.float64)
+    monkeypatch.setattr(loop.ranks, "all_reduce_sum", lambda t: t + other)
+    assert two.window_mean(7, flag=0) == (3.0, 9, 5)
+    monkeypatch.undo()
     sums = LossSums("cpu", world_size=1)
     sums.add(torch.tensor(2.0), 64)
     sums.add(torch.tensor(4.0), 64)

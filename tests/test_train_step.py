@@ -57,7 +57,10 @@ def test_micro_batches_equal_the_unsplit_step():
     ref_loss = ref_step(x, y, len(x))
     for micro in (1, 5, 8, 23):
         step, model = _setup(micro_batch_size=micro)
+        sizes = []  # the forwards really ran on micro-batches of at most `micro` samples
+        model.register_forward_pre_hook(lambda _m, args, sizes=sizes: sizes.append(len(args[0])))
         loss = step(x, y, len(x))
+        assert sizes == [len(c) for c in x.split(micro)], (micro, sizes)
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
         assert _max_rel(model.state_dict(), ref.state_dict()) <= 1e-6, micro
 
@@ -99,7 +102,10 @@ def test_mixed_precision_step_matches_the_fp32_step(precision, tol):
     ref_step, ref = _setup()
     ref_loss = ref_step(x, y, len(x))
     step, model = _setup(precision=precision)
+    dtypes = []  # the linear layers really computed in the low precision (autocast)
+    model[1].register_forward_hook(lambda _m, _a, out: dtypes.append(out.dtype))
     loss = step(x, y, len(x))
+    assert dtypes == [{"bf16": torch.bfloat16, "fp16": torch.float16}[precision]]
     assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
     assert _max_rel(model.state_dict(), ref.state_dict()) <= tol
     assert step.skipped_steps == 0
@@ -143,7 +149,11 @@ def test_onecycle_and_warmup_schedules():
 
 
 def test_channels_last_conv_step_matches():
-    x = torch.randn(8, 1, 8, 8)
+    """train.channels_last: build() lays the model out channels-last and the step its input
+    (3 channels: with 1 the two layouts are the same strides); the numbers do not change."""
+    from trainer.run import layout
+
+    x = torch.randn(8, 3, 8, 8)
     y = torch.randint(0, 10, (8,))
     outs = []
     for cl in (False, True):
@@ -151,9 +161,13 @@ def test_channels_last_conv_step_matches():
         torch.manual_seed(0)
         from trainer.models import build
 
-        model = build(cfg.model, (1, 8, 8), 10)
-        if cl:
-            model = model.to(memory_format=torch.channels_last)
+        model = layout(build(cfg.model, (3, 8, 8), 10), cfg.train)
+        seen = []
+        model[0].register_forward_pre_hook(
+            lambda _m, a, seen=seen: seen.append(
+                a[0].is_contiguous(memory_format=torch.channels_last)
+            )
+        )
         opt = build_optimizer(cfg.optim, model.parameters())
         sched = build_scheduler(cfg.sched, opt, 1, 1)
         scaler = make_scaler(cfg.train, "cpu")
@@ -166,7 +180,9 @@ def test_channels_last_conv_step_matches():
             task="classification",
         )
         outs.append((step(x, y, 8).item(), model))
-    assert outs[1][1][0].weight.is_contiguous(memory_format=torch.channels_last)
+        assert (
+            seen == [cl] and model[3].weight.is_contiguous(memory_format=torch.channels_last) == cl
+        )
     assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-5)
 
 
@@ -221,9 +237,17 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
 
 
 @pytest.mark.slow
-def test_compiled_model_trains_and_saves_plain_weights(tmp_path):
-    trainer("train", *TINY, "train.compile=true", f"run_dir={tmp_path / 'c'}")
-    trainer("train", *TINY, f"run_dir={tmp_path / 'e'}")
+def test_compiled_model_trains_and_saves_plain_weights(tmp_path, monkeypatch):
+    """In this process (no startup twice): train.compile=true calls torch.compile once, and the
+    weights it saves are the eager run's, under plain names."""
+    from trainer.train import train
+
+    compiled, real = [], torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, *a, **k: compiled.append(m) or real(m, *a, **k))
+    train(config.load(None, [*TINY, "train.compile=true", f"run_dir={tmp_path / 'c'}"]))
+    assert len(compiled) == 1
+    train(config.load(None, [*TINY, f"run_dir={tmp_path / 'e'}"]))
+    assert len(compiled) == 1  # the eager run compiled nothing
     c, e = weights(tmp_path / "c"), weights(tmp_path / "e")
     assert c.keys() == e.keys() and not any("_orig_mod" in k for k in c)
     assert _max_rel(c, e) <= 1e-4

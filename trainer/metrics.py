@@ -114,7 +114,8 @@ class RunLogger:
         self._tb = None
         self.write_error: OSError | None = None
         """The first OSError writing metrics.jsonl (full disk, I/O error): recorded, not raised,
-        so the loop can agree on it across ranks and save before stopping (loop.check_log)."""
+        so the loop can agree on it across ranks (it rides the log window's all-reduce) and save
+        before stopping (loop._stop_for_metrics)."""
         self._last_draw = 0.0
         self._bar_open = False
 

@@ -115,6 +115,12 @@ def _check_shards_fit_batchnorm(cfg: Config, model: torch.nn.Module, n: int) -> 
         )
 
 
+def layout(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
+    """train.channels_last: the model's 4-d weights in channels-last memory (the step converts
+    each input batch to match)."""
+    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
+
+
 def _fresh_start(
     cfg: Config, world: World, step: TrainStep, log: RunLogger
 ) -> tuple[LoopState, Results]:
@@ -138,8 +144,7 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         if world.is_main
         else None
     )
-    if cfg.train.channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    model = layout(model, cfg.train)
     if cfg.train.activation_checkpointing:
         checkpoint_activations(model)
     model = strategy.wrap(model, world)
