@@ -113,9 +113,18 @@ def trainer_argv(*args, nproc: int | None = None, max_restarts: int | None = Non
 
 
 def trainer(
-    *args, nproc: int | None = None, timeout: float = 180, extra_env=None, check=True, gpu=False
+    *args,
+    nproc: int | None = None,
+    timeout: float = 180,
+    extra_env=None,
+    check=True,
+    gpu=False,
+    torchrun: bool = True,
 ):
-    """Run `python -m trainer ...`, or under the real torchrun with nproc processes."""
+    """Run `python -m trainer ...`, or under the real torchrun with nproc processes (or, with
+    torchrun=False, nproc processes started here with torchrun's variables: see ranks())."""
+    if nproc is not None and not torchrun:
+        return ranks(*args, nproc=nproc, timeout=timeout, extra_env=extra_env, check=check)
     cmd = trainer_argv(*args, nproc=nproc)
     proc = subprocess.run(
         cmd,
@@ -130,6 +139,76 @@ def trainer(
             f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         )
     return proc
+
+
+def ranks(*args, nproc: int, timeout: float = 180, extra_env=None, check=True):
+    """`python -m trainer ARGS` on nproc local ranks started directly with the variables
+    torchrun --standalone gives its workers (RANK, WORLD_SIZE, MASTER_PORT, ...), for tests about
+    the numbers rather than the launcher: no torchrun process (a torch import, ~2 s of CPU) and no
+    rendezvous. As torchrun does, the first rank to fail stops the others. Returns rank 0's
+    stdout, every rank's stderr, and the highest exit code."""
+    import contextlib
+    import tempfile
+    import time
+
+    port, procs, texts = free_port(), [], []
+    common = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+    common |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {})}
+    cmd = [sys.executable, "-m", "trainer", *args]
+    deadline, killed = time.monotonic() + timeout, set()
+    with contextlib.ExitStack() as files:
+        outs = []
+        for rank in range(nproc):
+            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
+            outs.append((out, err))
+            e = env(**common, RANK=str(rank), LOCAL_RANK=str(rank))
+            procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=out, stderr=err, text=True))
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.poll() for p in procs) or time.monotonic() > deadline:
+                    for i, p in enumerate(procs):
+                        if p.poll() is None:
+                            p.kill()
+                            killed.add(i)
+                time.sleep(0.05)
+        finally:
+            for i, p in enumerate(procs):
+                if p.poll() is None:
+                    p.kill()
+                    killed.add(i)
+                p.wait()
+        for out, err in outs:
+            out.seek(0), err.seek(0)
+            texts.append((out.read(), err.read()))
+    ended = [p.returncode for i, p in enumerate(procs) if i not in killed]
+    code = max((c if c >= 0 else 128 - c for c in ended), default=1)
+    proc = subprocess.CompletedProcess(cmd, code, texts[0][0], "".join(e for _, e in texts))
+    if time.monotonic() > deadline:
+        raise AssertionError(f"{' '.join(cmd)} on {nproc} ranks: timed out after {timeout} s")
+    if check and code != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} on {nproc} ranks exited {code}\n{proc.stdout[-3000:]}\n"
+            f"{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+def train_here(command: str, *args: str) -> dict:
+    """`trainer train ARGS` on one CPU rank in this process with one thread, as each rank of
+    the multi-process runs has (the same bits): no second torch import (~3 s of CPU a run).
+    Returns the summary."""
+    import torch
+
+    from trainer import config
+    from trainer.train import train
+
+    assert command == "train", command
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(config.load(None, [*args, "dist.device=cpu"]))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def read_jsonl(path) -> list[dict]:

@@ -5,7 +5,7 @@ depend on (seed, epoch, index) only, never on the rank, the batch slot or the wo
 import pytest
 
 from tests import fakes
-from tests.helpers import ROOT, trainer
+from tests.helpers import ROOT, train_here, trainer
 from tests.test_distributed import assert_same_run
 
 
@@ -38,8 +38,8 @@ def _args(root, run_dir) -> list[str]:
 
 @pytest.mark.slow
 def test_two_ranks_with_workers_match_one_process(tmp_path, cifar):
-    trainer(*_args(cifar, tmp_path / "w1"))
-    trainer(*_args(cifar, tmp_path / "w2"), "data.num_workers=1", nproc=2)
+    train_here(*_args(cifar, tmp_path / "w1"))
+    trainer(*_args(cifar, tmp_path / "w2"), "data.num_workers=1", nproc=2, torchrun=False)
     assert_same_run(tmp_path / "w2", tmp_path / "w1")  # 18 steps, 1e-5 relative
 
 

@@ -1,4 +1,5 @@
-"""The real torchrun launching `python -m trainer train`, compared against a single process.
+"""The real torchrun launching `python -m trainer train`, compared against a single process
+(the tail-batch runs start their ranks directly: helpers.ranks).
 
 Global-batch semantics: a DDP run on world 2 or 4 computes the same steps as one process on
 the same global batch; only the order of the floating-point gradient sum differs.
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from tests import helpers
-from tests.helpers import ROOT, read_jsonl, train_losses, trainer, weights
+from tests.helpers import ROOT, read_jsonl, train_here, train_losses, trainer, weights
 
 TINY = [
     *helpers.TINY,
@@ -75,8 +76,8 @@ def test_run_dir_outputs(reference_runs):
 def test_tail_batch_smaller_than_world_trains_and_matches(tmp_path, world):
     # 9 samples, global batch 4: the last batch of every epoch holds 1 sample for `world` ranks.
     ref, run = tmp_path / "w1", tmp_path / f"w{world}"
-    trainer("train", *TINY, f"run_dir={ref}")
-    p = trainer("train", *TINY, f"run_dir={run}", nproc=world)
+    train_here("train", *TINY, f"run_dir={ref}")
+    p = trainer("train", *TINY, f"run_dir={run}", nproc=world, torchrun=False)
     assert "done: 12 steps" in p.stdout
     assert_same_run(run, ref)
     summary = yaml.safe_load((run / "summary.json").read_text())

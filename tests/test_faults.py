@@ -34,7 +34,9 @@ KILLS = 10
 @pytest.mark.slow
 def test_ten_sigkills_under_max_restarts_all_recover_with_identical_weights(tmp_path):
     reference = tmp_path / "reference"
-    trainer("train", *RESTART, "model.kwargs.delay=0", f"run_dir={reference}", nproc=2)
+    trainer(
+        "train", *RESTART, "model.kwargs.delay=0", f"run_dir={reference}", nproc=2, torchrun=False
+    )
 
     run_dir = tmp_path / "run"
     proc = spawn(

@@ -62,6 +62,7 @@ def runs(tmp_path_factory):
                 f"dist.strategy={strategy}",
                 f"run_dir={run_dir}",
                 nproc=None if world == 1 else world,
+                torchrun=False,  # the numbers are the point here, not the launcher
             )
             (run_dir.parent / "stdout.txt").write_text(p.stdout)
             cache[key] = run_dir
@@ -154,6 +155,7 @@ def _resume_continues_the_curve(ref, tmp_path, strategy: str, world: int) -> str
         f"run_dir={run_dir}",
         f"ckpt.resume={ref / 'checkpoints' / 'step-000000006'}",
         nproc=None if world == 1 else world,
+        torchrun=False,
     )
     assert "resumed from" in p.stdout
     got = train_losses(run_dir)

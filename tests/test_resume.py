@@ -81,6 +81,7 @@ def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2,
         f"run_dir={run_dir}",
         f"ckpt.resume={src}",
         nproc=None if world == 1 else world,
+        torchrun=False,  # about the numbers, not the launcher
     )
     assert "world size 2 -> " + str(world) in p.stdout
     ref, got = train_losses(uninterrupted_w2), train_losses(run_dir)

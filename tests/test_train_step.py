@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests import helpers
-from tests.helpers import read_jsonl, trainer, weights
+from tests.helpers import read_jsonl, train_here, trainer, weights
 from trainer import config
 from trainer.optim import Schedule, build_optimizer, build_scheduler
 from trainer.step import TrainStep, make_scaler
@@ -200,8 +200,9 @@ TINY = [
 def test_accumulation_under_ddp_matches_the_unsplit_single_process_run(tmp_path):
     # Global batch 4 over 2 ranks = 2 per rank, micro 1: two micro-steps, no_sync on the first.
     # The 9-sample epoch ends with a 1-sample batch: one rank has nothing, the other one micro-step.
-    trainer("train", *TINY, f"run_dir={tmp_path / 'ref'}")
-    trainer("train", *TINY, "train.micro_batch_size=1", f"run_dir={tmp_path / 'acc'}", nproc=2)
+    train_here("train", *TINY, f"run_dir={tmp_path / 'ref'}")
+    acc = tmp_path / "acc"
+    trainer("train", *TINY, "train.micro_batch_size=1", f"run_dir={acc}", nproc=2, torchrun=False)
     a, b = weights(tmp_path / "acc"), weights(tmp_path / "ref")
     assert _max_rel(a, b) <= 1e-5
 

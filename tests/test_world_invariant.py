@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import TINY_GPT, read_jsonl, trainer, weights
+from tests.helpers import TINY_GPT, read_jsonl, train_here, trainer, weights
 from trainer import config, invariant, sampler
 from trainer.errors import ConfigError
 
@@ -25,6 +25,8 @@ MLP = [
 ]
 LENET = [*MLP, "model.name=lenet", "model.dropout=0.0", "optim.name=sgd", "optim.lr=0.05"]
 GPT = [*TINY_GPT, "model.dropout=0.1", "data.global_batch_size=16", "train.max_steps=6"]
+# Checkpoints (which must not move a bit) to resume from on another world size.
+GPT_SAVING = [*GPT, "ckpt.every_steps=3", "ckpt.keep_last=10"]
 # Micro-steps inside each shard, and a clip that binds: the norm is over the summed gradient.
 ON = ["repro.world_invariant=true", "train.micro_batch_size=3", "train.clip_grad_norm=0.5"]
 
@@ -152,9 +154,28 @@ def test_config_check_names_the_world_sizes_that_fit(capsys):
 # --- the same bits on 1, 2, 4 and 8 ranks ------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """runs(world, *args) -> _run's record of that run, made once for the module."""
+    cache = {}
+
+    def get(world: int, *args: str) -> dict:
+        key = (world, args)
+        if key not in cache:
+            cache[key] = _run(tmp_path_factory.mktemp("runs"), world, *args)
+        return cache[key]
+
+    return get
+
+
 def _run(tmp_path, world, *args) -> dict:
+    """World 1 in this process (one thread, as each rank has); more ranks started directly with
+    torchrun's variables (helpers.ranks: the launcher is not what these tests are about)."""
     run_dir = tmp_path / f"w{world}"
-    trainer("train", *args, f"run_dir={run_dir}", nproc=None if world == 1 else world)
+    if world == 1:
+        train_here("train", *args, f"run_dir={run_dir}")
+    else:
+        trainer("train", *args, f"run_dir={run_dir}", nproc=world, torchrun=False)
     records = read_jsonl(run_dir / "metrics.jsonl")
     return {
         "train": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
@@ -164,6 +185,7 @@ def _run(tmp_path, world, *args) -> dict:
             if r["kind"] == "eval"
         ],
         "weights": weights(run_dir),
+        "run_dir": run_dir,
     }
 
 
@@ -178,13 +200,17 @@ def _assert_identical(got: dict, ref: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
-    [pytest.param(MLP, id="mlp"), pytest.param(LENET, id="lenet"), pytest.param(GPT, id="gpt")],
+    [
+        pytest.param(MLP, id="mlp"),
+        pytest.param(LENET, id="lenet"),
+        pytest.param(GPT_SAVING, id="gpt"),
+    ],
 )
-def test_worlds_1_2_4_8_train_the_same_bits(tmp_path, args):
-    ref = _run(tmp_path, 1, *args, *ON)
+def test_worlds_1_2_4_8_train_the_same_bits(runs, args):
+    ref = runs(1, *args, *ON)
     assert len(ref["train"]) == 6
     for world in (2, 4, 8):
-        _assert_identical(_run(tmp_path, world, *args, *ON), ref)
+        _assert_identical(runs(world, *args, *ON), ref)
 
 
 @pytest.mark.slow
@@ -212,11 +238,10 @@ def test_batchnorm_statistics_and_bf16_autocast_hold_too(tmp_path):
 
 
 @pytest.mark.slow
-def test_saved_on_2_ranks_resumed_on_4_ends_at_the_one_process_weights(tmp_path):
-    args = [*GPT, *ON, "ckpt.every_steps=3", "ckpt.keep_last=10"]
-    ref = _run(tmp_path, 1, *args)
-    _run(tmp_path / "saved", 2, *args)
-    saved = tmp_path / "saved" / "w2" / "checkpoints" / "step-000000003"
+def test_saved_on_2_ranks_resumed_on_4_ends_at_the_one_process_weights(runs, tmp_path):
+    args = [*GPT_SAVING, *ON]  # the runs of test_worlds_1_2_4_8_train_the_same_bits[gpt]
+    ref = runs(1, *args)
+    saved = runs(2, *args)["run_dir"] / "checkpoints" / "step-000000003"
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["world_size"] == 2
     resumed = _run(tmp_path / "resumed", 4, *args, f"ckpt.resume={saved}")
