@@ -56,11 +56,13 @@ run-local: setup  ## train the default config with 2 CPU processes (torchrun, gl
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
 		-m trainer train dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS)
 
-# Two workers (tests/conftest.py: shared runs stay on one, `serial` tests run alone).
+# Two workers (tests/conftest.py: shared runs stay on one worker), then the tests marked
+# `serial` (bounds in time) in a pass of their own, as alone on the machine as they can be.
 XDIST ?= -n 2 --dist loadgroup
 
 test: setup  ## the whole test suite (what CI runs)
-	$(BIN)/pytest $(XDIST) $(PYTEST_ARGS)
+	$(BIN)/pytest $(XDIST) -m "not serial" $(PYTEST_ARGS)
+	$(BIN)/pytest -m serial $(PYTEST_ARGS)
 
 test-quick: setup  ## the suite without the tests marked slow (under 3 minutes: the edit-test loop)
 	$(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)

@@ -4,7 +4,8 @@ and how the suite runs on two workers (`make test`: pytest-xdist, `-n 2 --dist l
 Two workers: most tests wait on real processes (startup, rendezvous, restarts) and leave a core
 idle. Tests that share a module- or session-scoped run stay on one worker (an xdist_group), so
 the run is made once. Tests marked `serial` measure a bound in time (how soon a signal stops the
-ranks): they run alone, the other worker waits (a reader-writer lock on a file).
+ranks): `make test` runs them in a second pass without workers; under `pytest -n 2` they still
+run alone, the other worker waiting (a reader-writer lock on a file).
 """
 
 import contextlib
