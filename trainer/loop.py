@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from typing import TYPE_CHECKING
 
@@ -184,7 +185,8 @@ def _write_error_code(run: Run) -> int:
 def check_log_at_end(run: Run, clock: TrainClock) -> None:
     """The records written since the last train window (the last evaluation's): one collective
     at the end of the run, where no window's all-reduce follows."""
-    failed = ranks.all_reduce_sum(torch.tensor(float(_write_error_code(run)))).item()
+    code = torch.tensor(float(_write_error_code(run)), device=run.world.device)  # NCCL: on GPU
+    failed = ranks.all_reduce_sum(code).item()
     if failed:
         _stop_for_metrics(run, clock, int(failed))
 
@@ -193,8 +195,6 @@ def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
     """metrics.jsonl could not be written (every rank learnt it from an all-reduce): save a
     checkpoint of where the run is, and stop in one line: exit 4 for a full disk or an I/O error
     (rerunning resumes), 2 for a run_dir that cannot be written at all."""
-    import os
-
     error = run.log.write_error if run.world.is_main else None
     if error is None:  # the other ranks: the same errno, so the same exit code
         error = OSError(errno, os.strerror(errno)) if errno > 0 else OSError("write failed")

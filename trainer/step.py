@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import TrainConfig
+from trainer.errors import first_line
 from trainer.invariant import ShardedGradients, seed_shard
 from trainer.strategy import Strategy
 
@@ -40,10 +41,6 @@ def _loading(part: str):
     try:
         yield
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        if isinstance(e, StateMismatch):
-            raise
-        from trainer.errors import first_line
-
         raise StateMismatch(part, first_line(e)) from None
 
 
