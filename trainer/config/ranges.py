@@ -123,9 +123,9 @@ def range_hint(key: str) -> str:
     key = re.sub(r"\[\d+\]$", "", key)
     if key not in RANGES:
         return ""
-    items = (
-        " for each item" if key in ("data.synthetic.shape", "model.hidden", "optim.betas") else ""
-    )
+    from trainer.config.schema import defaults
+
+    items = " for each item" if isinstance(defaults().get(key), list) else ""
     return f" (needs a number {RANGES[key]}{items}, e.g. {example(key)})"
 
 
