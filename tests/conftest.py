@@ -4,15 +4,10 @@ and how the suite runs on two workers (`make test`: pytest-xdist, `-n 2 --dist l
 Two workers: most tests wait on real processes (startup, rendezvous, restarts) and leave a core
 idle. Tests that share a module- or session-scoped run stay on one worker (an xdist_group), so
 the run is made once. Tests marked `serial` measure a bound in time (how soon a signal stops the
-ranks): `make test` runs them in a second pass without workers; under `pytest -n 2` they still
-run alone, the other worker waiting (a reader-writer lock on a file).
+ranks): `make test` runs them in a second pass of their own, without workers.
 """
 
-import contextlib
-import fcntl
-import os
 import re
-import tempfile
 
 import pytest
 
@@ -57,34 +52,6 @@ def _xdist_group(item) -> str | None:
         return "session-runs"
     own = [n for n, s in scopes.items() if s == "module"]
     return item.module.__name__ if own else None
-
-
-@contextlib.contextmanager
-def _cpu_share(exclusive: bool):
-    """Under xdist: shared for ordinary tests, exclusive for `serial` ones. The gate stops new
-    shared holders while an exclusive one waits, so it never starves."""
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if uid is None:
-        yield
-        return
-    base = os.path.join(tempfile.gettempdir(), f"trainer-tests-{uid}")
-    with open(f"{base}.gate", "a") as gate, open(f"{base}.lock", "a") as lock:
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
-        finally:
-            fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_protocol(item, nextitem):
-    """Around setup, call and teardown, so a module fixture's run counts as the test's load."""
-    with _cpu_share(exclusive=item.get_closest_marker("serial") is not None):
-        yield
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's, which reads the groups
