@@ -20,17 +20,18 @@ def presets() -> list[str]:
     )
 
 
+MAX_CONFIG_BYTES = 1 << 20
+"""A config file larger than this is refused before it is parsed: the presets are under 1 KB, and
+a 15 MB file of keys took 95 s and 1.5 GB to refuse after parsing."""
+
+
 def _read_yaml(text: str, source: str):
     from omegaconf import DictConfig, OmegaConf
 
-    too_deep = UsageError(
-        f"{source}: nested too deeply to be a config (the schema is 3 levels deep): "
-        "write its keys as a flat mapping like `optim: {lr: 0.01}`"
-    )
     try:
         kind = _yaml_kind(text)
-    except RecursionError:  # the YAML parser recurses once per level of nesting
-        raise too_deep from None
+    except (RecursionError, ValueError) as e:  # the YAML parser's own limits (depth, digits)
+        raise _parse_limit(e, source, text) from None
     if kind == "empty":
         raise UsageError(
             f"{source}: the file has no config keys: put some in it (e.g. `optim: {{lr: 0.01}}`), "
@@ -43,13 +44,52 @@ def _read_yaml(text: str, source: str):
         )
     try:
         node = OmegaConf.create(text)
-    except RecursionError:  # parsed, but OmegaConf's nodes recurse too
-        raise too_deep from None
+    except (RecursionError, ValueError) as e:  # parsed, but OmegaConf's nodes recurse too
+        raise _parse_limit(e, source, text) from None
     except Exception as e:  # yaml.YAMLError and OmegaConf's own grammar errors
-        raise UsageError(f"{source}: not valid YAML ({first_line(e)})") from None
+        raise _parse_limit(e, source, text) from None
     if not isinstance(node, DictConfig):
         raise UsageError(f"{source}: must be a YAML mapping of config keys")
     return node
+
+
+_ALIAS = re.compile(r"(?:^|[\s\[{,:])\*[^\s,\]}]")
+"""A YAML alias (`*name`) in a value position."""
+
+
+def _parse_limit(e: BaseException, source: str, source_text: str = "") -> UsageError:
+    """A one-line error for a YAML file that does not parse, or is past a parser's limits: nesting (the parsers recurse
+    per level), aliases that expand past OmegaConf's node limit (a "billion laughs" file),
+    integers past Python's 4,300 digits. Their own messages suggest raising the limit."""
+    text = str(e)
+    if isinstance(e, RecursionError):
+        return UsageError(
+            f"{source}: nested too deeply to be a config (the schema is 3 levels deep): "
+            "write its keys as a flat mapping like `optim: {lr: 0.01}`"
+        )
+    if "aliases expand the document" in text or (
+        "expansion exceeds" in text and _ALIAS.search(source_text)
+    ):
+        return UsageError(
+            f"{source}: its YAML aliases (*name) expand to more values than any config holds "
+            "(an alias bomb?): write the values out instead of aliasing them"
+        )
+    if "expansion exceeds" in text:
+        return UsageError(
+            f"{source}: holds more than 10,000 keys and values; a config holds about 100: is it "
+            "the right file?"
+        )
+    if "recursive aliases" in text:
+        return UsageError(
+            f"{source}: a YAML alias (*name) refers to the mapping or list it is in, which never "
+            "ends: write the values out"
+        )
+    if "integer string conversion" in text:
+        return UsageError(
+            f"{source}: holds an integer of more than 4,300 digits, which no config key takes: "
+            "fix that value"
+        )
+    return UsageError(f"{source}: not valid YAML ({first_line(e)})")
 
 
 def _yaml_kind(text: str) -> str:
@@ -60,6 +100,10 @@ def _yaml_kind(text: str) -> str:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
         return "?"
+    except ValueError as e:  # past a limit of the parser's (a huge integer): the caller says
+        if "integer string conversion" in str(e):
+            raise
+        return "?"
     if value is None:
         return "empty"
     kinds = {dict: "mapping", list: "list", str: "string", int: "number", float: "number"}
@@ -69,9 +113,15 @@ def _yaml_kind(text: str) -> str:
 def _read_file(path: str) -> str:
     try:
         with open(path, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise UsageError(f"--config {path}: cannot read it ({e.strerror})") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        size = os.path.getsize(path)
+        raise UsageError(
+            f"--config {path}: is {size / 2**20:,.1f} MB; a config is a few KB (at most "
+            f"{MAX_CONFIG_BYTES // 2**20} MB here): is it the right file?"
+        )
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -189,9 +239,15 @@ def _cli_layer(overrides: list[str]):
         try:
             items.append(OmegaConf.from_dotlist([item]))
         except Exception as e:
-            key = item.partition("=")[0]
+            key, _, value = item.partition("=")
+            if "integer string conversion" in str(e):
+                raise UsageError(
+                    f"command line: {key}: an integer of more than 4,300 digits, which no config "
+                    "key takes: fix that value"
+                ) from None
+            shown = value if len(value) <= 60 else f"{value[:40]}... ({len(value):,} characters)"
             raise UsageError(
-                f"command line: {key}: cannot parse '{item.partition('=')[2]}' "
+                f"command line: {key}: cannot parse '{shown}' "
                 f"({first_line(e)}); quote lists like {key}=[1,2] and strings with spaces"
             ) from None
     return [(f"command line: {item}", layer) for item, layer in zip(overrides, items, strict=True)]

@@ -105,6 +105,50 @@ NONEMPTY = frozenset(
 )
 """String fields that must not be empty (null, where allowed, is the way to say "none")."""
 
+PATHS = frozenset(
+    {"name", "run_dir", "data.root", "data.text.path", "ckpt.dir", "ckpt.resume"}
+    | {"ckpt.init_weights"}
+)
+"""String fields that become file or folder paths (name: the default run_dir is runs/<name>):
+checked against what every Linux file system refuses, so `config check` says what `train` would."""
+
+NAME_MAX = 255
+"""Bytes in one file or folder name (ext4, xfs, overlayfs, NFS)."""
+PATH_MAX = 4095
+"""Bytes in a whole path, less its terminating NUL."""
+
+
+def path_problem(value: str) -> str | None:
+    """Why `value` cannot be a path on Linux, or None: a NUL byte, a name over NAME_MAX bytes,
+    or a path over PATH_MAX bytes."""
+    raw = value.encode("utf-8", "surrogateescape")
+    if b"\0" in raw:
+        return "holds a NUL byte, which no path can: remove it"
+    longest = max(raw.split(b"/"), key=len)
+    if len(longest) > NAME_MAX:
+        return (
+            f"has a name of {len(longest):,} bytes ({_shown(longest)}); a file or folder name "
+            f"holds at most {NAME_MAX}: shorten it"
+        )
+    if len(raw) > PATH_MAX:
+        return f"is {len(raw):,} bytes long; a path holds at most {PATH_MAX}: shorten it"
+    return None
+
+
+def _number_text(value) -> str:
+    """repr of a number or a list of them, short: Python refuses str() of an int over 4,300
+    digits, and a line should not hold one."""
+    try:
+        text = repr(value)
+    except ValueError:  # int too long for str()
+        return "an integer of more than 4,300 digits"
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
+
+
+def _shown(raw: bytes) -> str:
+    text = raw.decode("utf-8", "backslashreplace")
+    return f"'{text[:20]}...'" if len(text) > 20 else f"'{text}'"
+
 
 def example(key: str) -> str:
     """`key=<its default>`: a value the schema accepts, to show in an error."""
@@ -137,13 +181,16 @@ def check_fields(obj: Any, prefix: str) -> None:
         key, value = f.key, f.value
         if isinstance(value, str) and key in NONEMPTY and not value.strip():
             raise UsageError(f"{key}: must not be empty; e.g. {example(key)}")
+        if isinstance(value, str) and key in PATHS and (problem := path_problem(value)):
+            what = "the run's folder name (runs/<name>)" if key == "name" else "a path"
+            raise UsageError(f"{key}: {what} {problem}")
         values = value if isinstance(value, list) else [value]
         for v in values:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or key not in RANGES:
                 continue
             if v not in RANGES[key]:
                 each = " for each item" if isinstance(value, list) else ""
-                shown = repr(value) if isinstance(value, list) else str(v)
+                shown = _number_text(value if isinstance(value, list) else v)
                 raise UsageError(
                     f"{key}: must be {RANGES[key]}{each}, got {shown}; e.g. {example(key)}"
                 )
