@@ -186,6 +186,18 @@ COMBOS = [
 ]
 
 
+LONG = [
+    ("name=" + "x" * 100_000, "folder name"),  # `config check` said ok; `train` refused
+    ("name=a/" + "b" * 256, "at most 255"),
+    ("data.root=/" + "r" * 300, "data.root"),
+    ("ckpt.dir=" + "/d" * 2100, "ckpt.dir"),
+    ("ckpt.init_weights=/" + "w" * 256, "ckpt.init_weights"),
+    ("seed=" + "9" * 5000, "4,300 digits"),
+    ("optim.lr=[" + "9" * 500, "optim.lr"),
+]
+"""Values past what a path or Python's int() takes: the same rule in `config check` and `train`."""
+
+
 def config_check_cases() -> list[Case]:
     cases = [Case("cross-field", ("config", "check", *o), names) for o, names in COMBOS]
     for n in ("0", "-4", "-1"):
@@ -202,6 +214,8 @@ def config_check_cases() -> list[Case]:
             ("config", "check", "--world-size=4", "dist.strategy=none"),
             "dist.strategy",
         ),
+        *[Case("long value", ("config", "check", arg), names) for arg, names in LONG],
+        *[Case("long value", ("train", "--dry-run", arg), names) for arg, names in LONG],
         Case("cli", ("config", "bogus"), "action"),
         Case("cli", ("bogus",), "bogus"),
         Case("cli", ("config", "check", "--bogus"), "--bogus"),
@@ -241,7 +255,37 @@ def yaml_files(folder) -> dict[str, tuple[bytes | None, str]]:
         "deep-flow.yaml": (b"a: " + b"{b: " * 1000 + b"1" + b"}" * 1000, "too deeply"),
         "deep-omegaconf.yaml": (b"optim: " + b"[" * 300 + b"]" * 300, "too deeply"),
         "not-a-run-dir": (None, "not-a-run-dir"),
+        **PATHOLOGICAL_YAML,
     }
+
+
+def _laughs(key: bytes = b"a0") -> bytes:
+    """A "billion laughs": 10 levels of 9 aliases each, 9**10 values once expanded."""
+    lines = [key + b': &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, 10):
+        lines.append(b"a%d: &a%d [" % (i, i) + b", ".join([b"*a%d" % (i - 1)] * 9) + b"]")
+    return b"\n".join(lines) + b"\n"
+
+
+PATHOLOGICAL_YAML = {
+    # size: refused before parsing (a 15 MB file took 95 s and 1.5 GB to refuse after it)
+    "big.yaml": (b"name: " + b"x" * (1 << 20) + b"\n", "1.0 MB"),
+    "many-keys.yaml": (b"".join(b"k%d: %d\n" % (i, i) for i in range(6000)), "10,000 keys"),
+    "long-list.yaml": (b"optim:\n  betas: [" + b",".join([b"0.9"] * 12000) + b"]\n", "10,000"),
+    "long-name.yaml": (b"name: " + b"x" * 100_000 + b"\n", "folder name"),
+    "long-root.yaml": (b"data:\n  root: /" + b"r" * 300 + b"\n", "data.root"),
+    "long-path.yaml": (b"run_dir: " + b"/d" * 2100 + b"\n", "run_dir"),
+    "nul-name.yaml": (b'name: "a\\0b"\n', "NUL"),
+    "huge-int.yaml": (b"seed: " + b"9" * 5000 + b"\n", "4,300 digits"),
+    "huge-hex.yaml": (b"seed: 0x" + b"f" * 5000 + b"\n", "seed"),
+    # aliases: expanded past any config's size, or into themselves
+    "alias-bomb.yaml": (_laughs(), "alias"),
+    "alias-bomb-in-a-key.yaml": (_laughs(b"x0") + b"optim:\n  betas: *a9\n", "alias"),
+    "alias-recursive.yaml": (b"optim: &a\n  lr: 0.1\n  self: *a\n", "alias"),
+    "alias-recursive-list.yaml": (b"x: &a [*a]\n", "alias"),
+    "python-tag.yaml": (b'name: !!python/object/apply:os.system ["true"]\n', "python-tag"),
+}
+"""Pathological YAML: size, length, digits and alias bombs (depth is above)."""
 
 
 def yaml_cases(folder) -> list[Case]:
@@ -577,3 +621,41 @@ def test_the_launchers_stderr_filter(message):
         ]
     else:  # no rank left a line (a crash): everything, nothing dropped
         assert len(lines) == 4 + len(TORCHRUN_TAIL) and lines[-1].startswith("=====")
+
+
+TORCHRUN_SIGTERM = [
+    b"W1125 07:06:52.492000 2280 torch/distributed/elastic/agent/server/api.py:753] Received 15 "
+    b"death signal, shutting down workers\n",
+    b"W1125 07:06:52.498000 2280 torch/distributed/elastic/multiprocessing/api.py:1028] Sending "
+    b"process 2284 closing signal SIGTERM\n",
+    b"[rank1]: a worker's own line while it saves\n",
+    b"Traceback (most recent call last):\n",
+    b'  File "<frozen runpy>", line 198, in _run_module_as_main\n',
+    b'  File "torch/distributed/elastic/agent/server/api.py", line 923, in _invoke_run\n',
+    b"    time.sleep(monitor_interval)\n",
+    b"torch.distributed.elastic.multiprocessing.api.SignalException: Process 2280 got signal: 15\n",
+]
+"""What torchrun printed when trainer-launch forwarded a SIGTERM (the traceback shortened)."""
+
+
+@pytest.mark.parametrize("message", [True, False])
+def test_the_launchers_stderr_filter_after_a_sigterm(message):
+    from tests.test_noise import NOISE
+    from trainer.launch import StderrFilter
+
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, encoding="utf-8")
+    f = StderrFilter(stream)
+    for raw in [*NOISE, b"epoch 1 step 3 loss 0.5\n", *TORCHRUN_SIGTERM]:
+        f.feed(raw)
+    stop = "trainer: error: stopped by SIGTERM at step 9; checkpoint step-9 saved: rerun ..."
+    f.finish(stop if message else None)
+    stream.flush()
+    lines = out.getvalue().decode().splitlines()
+    kept = ["epoch 1 step 3 loss 0.5", "[rank1]: a worker's own line while it saves"]
+    if message:  # exit 3 with a checkpoint: the ranks' line, no SignalException traceback
+        assert lines == [*kept, stop]
+    else:  # no rank said why: torchrun's report is all there is, kept whole (c10d's noise not)
+        assert lines[:3] == [*kept, TORCHRUN_SIGTERM[0].decode().strip()]
+        assert lines[-1].startswith("torch.distributed.elastic.multiprocessing.api.Signal")
+        assert len(lines) == 1 + len(TORCHRUN_SIGTERM)

@@ -614,6 +614,11 @@ def test_sigterm_is_forwarded_and_everything_stops(tmp_path):
     assert code == 3, log.read_text()[-3000:]
     assert took < 40
     assert list((tmp_path / "run" / "checkpoints").glob("step-*")), log.read_text()[-3000:]
+    # A right answer without noise: no torchrun SignalException traceback (~29 lines) after the
+    # ranks' one line, which comes last.
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith("trainer: error: stopped by SIGTERM")
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in family) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -187,20 +187,45 @@ def _init(world: World, timeout_s: int, even_alone: bool) -> None:
         kwargs.update(init_method="env://", rank=world.rank, world_size=world.size)
     else:  # a group of one: an in-memory store, nothing to rendezvous with
         kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
+    from trainer.noise import quiet_c10d
+
+    # c10d prints every retry of the rendezvous from C++ (a backtrace each): the one line below
+    # says what they would, so they go; anything else printed meanwhile passes through.
+    quiet = quiet_c10d() if world.distributed else contextlib.nullcontext()
     try:
-        dist.init_process_group(backend=world.backend, **kwargs)
-        if world.backend != "gloo":
-            _control_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
-        if world.distributed:
-            # The stop flag's all-reduce runs in the background while the step computes; its
-            # own group keeps it out of the way of the gradient all-reduce's queue.
-            _stop_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
+        with quiet:
+            dist.init_process_group(backend=world.backend, **kwargs)
+            if world.backend != "gloo":
+                _control_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
+            if world.distributed:
+                # The stop flag's all-reduce runs in the background while the step computes;
+                # its own group keeps it out of the way of the gradient all-reduce's queue.
+                _stop_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
     except dist.DistError as e:
+        where = f"{world.master_addr}:{world.master_port}"
+        if unknown := _unresolved(world.master_addr):
+            reason = f"MASTER_ADDR {world.master_addr} does not resolve: {unknown}"
+            fix = "check the name (on Kubernetes, the rank-0 pod's service or hostname)"
+        else:
+            reason = first_line(e)
+            fix = f"check that all {world.size} ranks started and can reach MASTER_ADDR"
         raise RetryableError(
-            f"could not form the process group at {world.master_addr}:{world.master_port} within "
-            f"dist.timeout_s={timeout_s} ({first_line(e)}): check that all {world.size} ranks "
-            "started and can reach MASTER_ADDR"
+            f"could not form the process group at {where} within dist.timeout_s={timeout_s} "
+            f"({reason}): {fix}"
         ) from None
+
+
+def _unresolved(host: str | None) -> str | None:
+    """Why `host` does not resolve (the resolver's words), or None when it does."""
+    import socket
+
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError) as e:
+        return getattr(e, "strerror", None) or first_line(e)
+    return None
 
 
 def _teardown() -> None:

@@ -367,19 +367,27 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
 class StderrFilter:
     """Passes torchrun's stderr through line by line, holding back three things: the ranks'
     `trainer: error:` lines, torchrun's own log lines (`E1123 12:00:00.000 123 torch/...`), and
-    the traceback torchrun prints after a worker failed. `finish(line)`: with a rank's line, drop
-    what was held and print that line last; without one, print everything held, in order."""
+    the traceback torchrun prints after a worker failed or after it was signalled (SIGTERM: a
+    SignalException, ~29 lines, in every preempted pod's log). `finish(line)`: with a rank's
+    line, drop what was held and print that line last; without one, print everything held, in
+    order. c10d's rendezvous retries (trainer.noise.C10dNoise) are dropped as they come."""
 
     AGENT = re.compile(rb"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
     FAILED = re.compile(rb"failed \(exitcode: ")
+    SIGNALLED = re.compile(rb"Received \d+ death signal, shutting down workers")
 
     def __init__(self, stream) -> None:
+        from trainer.noise import C10dNoise
+
         self.stream = stream
         self.held: list[bytes] = []
         self.errors: list[bytes] = []
         self.failed = False
+        self.signalled = False
+        """torchrun was signalled: its traceback follows whatever the workers print meanwhile."""
         self.tail = False
         self.done = False
+        self.noise = C10dNoise()
 
     def _write(self, *chunks: bytes) -> None:
         buffer = getattr(self.stream, "buffer", None)
@@ -393,14 +401,21 @@ class StderrFilter:
     def feed(self, raw: bytes) -> None:
         if self.tail:
             self.held.append(raw)
+        elif self.noise.known(raw):
+            return
         elif raw.startswith(b"trainer: error: "):
             self.errors.append(raw)
         elif self.AGENT.match(raw):
             self.held.append(raw)
             self.failed = self.failed or bool(self.FAILED.search(raw))
-        elif self.failed and raw.startswith(b"Traceback (most recent call last):"):
+            self.signalled = self.signalled or bool(self.SIGNALLED.search(raw))
+        elif (self.failed or self.signalled) and raw.startswith(
+            b"Traceback (most recent call last):"
+        ):
             self.tail = True  # the workers are gone: the rest is torchrun's own report
             self.held.append(raw)
+        elif self.signalled:  # the workers' lines while they stop; torchrun's stay held
+            self._write(raw)
         else:
             self._write(*self.held, raw)
             self.held.clear()
