@@ -300,6 +300,86 @@ def test_eval_of_weights_with_nan_says_so_in_one_line(run, tmp_path):
         _run(tmp_path / "warm", f"ckpt.init_weights={run / 'final' / 'model.safetensors'}")
 
 
+def _poisoned_sources(pristine, folder, value: float) -> dict[str, str]:
+    """Every kind of weights source, each holding `value` (NaN or an infinity) in one tensor:
+    {label: path}. A checkpoint is re-sealed, so it verifies and only the values are wrong."""
+    run = folder / "run"
+    shutil.copytree(pristine, run)
+    ckpt = run / "checkpoints" / NEWEST
+    for where in (run / "final", ckpt):
+        tensors = load_file(str(where / "model.safetensors"))
+        tensors["3.bias"][1] = value
+        save_file(tensors, str(where / "model.safetensors"))
+    store.write_manifest(str(ckpt))
+    plain = {k: v.clone() for k, v in tensors.items()}
+    torch.save(plain, folder / "plain.pt")
+    torch.save({"state_dict": {f"module.{k}": v for k, v in plain.items()}}, folder / "ddp.pth")
+    return {
+        "run dir": str(run),
+        "checkpoint": str(ckpt),
+        "safetensors": str(run / "final" / "model.safetensors"),
+        "state_dict .pt": str(folder / "plain.pt"),
+        "DDP-wrapped .pth": str(folder / "ddp.pth"),
+    }
+
+
+NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
+
+
+def test_generated_non_finite_weights_exit_2_at_every_entry_point(pristine, tmp_path, capsys):
+    """Weights holding NaN/inf, from every kind of source, through every command that reads
+    weights (eval, export, ckpt.init_weights, ckpt.resume): exit 2, one line naming the values,
+    nothing written. export wrote them without a word before."""
+    from tests.test_bad_input import Case, problems, run_in_process
+
+    cases, failures = 0, []
+    for label, value in NON_FINITE.items():
+        folder = tmp_path / label
+        sources = _poisoned_sources(pristine, folder, value)
+        before = digest(folder)
+        for kind, src in sources.items():
+            out, warm = folder / "out", folder / "warm"
+            entries = {
+                "eval": ("eval", src),
+                "export": ("export", src, "-o", str(out)),
+                "init_weights": ("train", *TINY, f"run_dir={warm}", f"ckpt.init_weights={src}"),
+            }
+            if kind == "checkpoint":
+                resume = ("train", *TINY, "train.epochs=5", f"run_dir={folder / 'run'}")
+                entries["resume"] = (*resume, f"ckpt.resume={src}")
+            for entry, argv in entries.items():
+                cases += 1
+                o = run_in_process(argv)
+                found = problems(Case("weights", argv, "NaN/inf values (3.bias)"), o)
+                if out.exists() or warm.exists():
+                    found.append("wrote output")
+                if found:
+                    failures.append(f"{label} {kind} via {entry}: {'; '.join(found)}")
+        changed = sorted(k for k, v in digest(folder).items() if before.get(k) != v)
+        if changed:  # nothing that was there is changed, nothing new is written
+            failures.append(f"{label}: files changed or written: {changed[:4]}")
+    with capsys.disabled():
+        print(f"\n{cases} generated non-finite-weights cases: {len(failures)} failed")
+    assert cases >= 45
+    assert not failures, "\n".join(failures)
+
+
+def test_auto_resume_passes_over_a_checkpoint_holding_nan_like_a_damaged_one(run, capsys):
+    root = run / "checkpoints"
+    state = torch.load(root / NEWEST / "optimizer.pt", weights_only=True)
+    first = next(iter(state["state"].values()))
+    name = next(k for k, v in first.items() if torch.is_tensor(v) and v.is_floating_point())
+    first[name].view(-1)[0] = float("inf")  # the optimizer's state, not the weights
+    torch.save(state, root / NEWEST / "optimizer.pt")
+    store.write_manifest(str(root / NEWEST))
+    summary = _run(run, "train.epochs=5")
+    out = capsys.readouterr().out
+    damaged = "is damaged (its model or optimizer state holds NaN/inf values (optimizer state 0."
+    assert f"{NEWEST} {damaged}" in out
+    assert "resumed from" in out and "step-000000009 (step 9" in out
+    assert summary["steps"] == 15
+
+
 # --- 5. export -o to a path it cannot or must not write ----------------------------------------
 
 

@@ -330,6 +330,31 @@ def build_cases(folder) -> list[Case]:
     ]
 
 
+def export_cases(folder) -> list[Case]:
+    """`trainer export` with its arguments in the wrong order or missing: the source first."""
+    import torch
+
+    src, run = os.path.join(folder, "w.pt"), os.path.join(folder, "somerun")
+    torch.save({"w": torch.zeros(2)}, src)
+    os.makedirs(run, exist_ok=True)
+    for name in ("config.yaml", "metrics.jsonl"):  # a run folder, not an earlier export
+        with open(os.path.join(run, name), "w") as f:
+            f.write("name: somerun\n" if name == "config.yaml" else "")
+    new, missing = os.path.join(folder, "new-out"), os.path.join(folder, "missing.pt")
+    return [
+        Case("export order", ("export", missing), missing),
+        Case("export order", ("export", missing, "-o", "/nonexistent/out"), missing),
+        Case("export order", ("export", new, "-o", run), f"trainer export {run} -o {new}"),
+        Case("export order", ("export", new, src), f"trainer export {src} -o {new}"),
+        Case("export order", ("export", src, new), f"trainer export {src} -o {new}"),
+        Case("export order", ("export", src, new, run), "trainer export SRC -o OUT"),
+        Case("export order", ("export", "-o", new), "src"),
+        Case("export order", ("export", src, "-o", run), "other files"),
+        Case("export order", ("export", src, "-o", src), "is a file"),
+        Case("export order", ("export", src, "-o", "/nonexistent/out"), "/nonexistent"),
+    ]
+
+
 LAUNCH = [
     ({}, ["dist.strategy=dp"], "dist.strategy"),
     ({}, ["dist.strategy=none"], "dist.strategy"),
@@ -356,6 +381,7 @@ def all_cases(folder) -> list[Case]:
         *config_check_cases(),
         *yaml_cases(folder),
         *build_cases(folder),
+        *export_cases(folder),
     ]
     assert len(set(cases)) == len(cases), "duplicate cases"
     return cases

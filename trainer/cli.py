@@ -234,6 +234,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     """The subcommand's arguments; key=value overrides may come before or after its options."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)  # argparse alone cannot interleave them
+    if extra and args.command == "export" and not any(a.startswith("-") for a in extra):
+        paths = [args.src, *extra]
+        there = [p for p in paths if os.path.exists(p)]
+        order = (
+            f"trainer export {there[0]} -o {next(p for p in paths if p != there[0])}"
+            if len(there) == 1 and len(paths) == 2
+            else "trainer export SRC -o OUT"
+        )
+        parser.error(
+            f"export takes one source; the output folder goes after -o: {order} "
+            f"(got {' '.join(paths)})"
+        )
     if extra:
         bad = [
             a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from trainer import metrics, ranks, repro
 from trainer.checkpoint import store
-from trainer.checkpoint.weights import flatten
+from trainer.checkpoint.weights import flatten, non_finite, non_finite_text
 from trainer.config import Config, to_dict, to_yaml
 from trainer.errors import (
     ConfigError,
@@ -248,6 +248,10 @@ class Checkpointer:
             self.step.load_state_dict(trained)
         except StateMismatch as e:
             raise store.CorruptCheckpoint(f"{_PARTS[e.part]} ({e.detail})") from None
+        if bad := self._non_finite():
+            raise store.CorruptCheckpoint(
+                non_finite_text(bad, "its model or optimizer state holds")
+            )
         state = LoopState(**meta["loop"])
         rngs = extra["rng"]
         if len(rngs) == self.world.size:
@@ -264,6 +268,19 @@ class Checkpointer:
         )
         self.last_saved_step = state.step
         return state, Results.from_dict(meta.get("results", {}))
+
+    def _non_finite(self) -> list[str]:
+        """What of the loaded model and optimizer state holds NaN/inf (this rank's part): a
+        checkpoint that would only diverge on its first step."""
+        import torch
+
+        from trainer.strategy import unwrap
+
+        bad = non_finite(unwrap(self.step.model).state_dict())
+        for i, per_param in enumerate(self.step.optimizer.state.values()):
+            tensors = {f"optimizer state {i}.{k}": v for k, v in per_param.items()}
+            bad += non_finite({k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)})
+        return bad
 
     # --- save --------------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from trainer.checkpoint import store
 from trainer.errors import UsageError, io_error
-from trainer.strategy import Strategy, unwrap
+from trainer.strategy import Strategy, local_part, unwrap
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -78,7 +78,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         if checkpoint is not None and store.is_sharded(checkpoint):
             from trainer.checkpoint import sharded
 
-            return sharded.read_model(checkpoint)
+            return _finite(sharded.read_model(checkpoint), checkpoint)
         folder = checkpoint or os.path.join(path, "final")
         if not os.path.isfile(os.path.join(folder, "model.safetensors")):
             raise UsageError(
@@ -98,7 +98,30 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
                 break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UsageError(f"{path}: does not hold a state_dict of tensors")
-    return strip_prefixes(state)
+    return _finite(strip_prefixes(state), path)
+
+
+def _finite(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
+    if bad := non_finite(state):
+        raise UsageError(f"{path}: {non_finite_text(bad)}")
+    return state
+
+
+def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding NaN or inf (this rank's shard of a DTensor)."""
+    return [
+        name
+        for name, t in state.items()
+        if t.is_floating_point() and not bool(local_part(t).isfinite().all())
+    ]
+
+
+def non_finite_text(bad: list[str], what: str = "the weights hold") -> str:
+    more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+    return (
+        f"{what} NaN/inf values ({bad[0]}{more}): the run that saved them diverged; "
+        "use an earlier checkpoint (RUN/checkpoints/step-N)"
+    )
 
 
 def fit_problem(model: nn.Module, state: dict) -> str | None:
@@ -118,7 +141,8 @@ def load_weights_into(
     model: nn.Module, path: str, strategy: Strategy | None = None, model_cfg=None
 ) -> None:
     """Load weights (any prefix, any device of origin, any saving strategy) into `model`,
-    strictly: every name and every shape must match, and every value must be finite.
+    strictly: every name and every shape must match, and every value must be finite
+    (read_weights refuses NaN/inf).
 
     `model_cfg` (the ModelConfig that built `model`) lets a mismatch name the config key that
     differs from the config saved with the weights."""
@@ -127,13 +151,6 @@ def load_weights_into(
     if problem:
         raise UsageError(
             f"{path}: weights do not fit model ({problem}): {config_hint(path, model_cfg)}"
-        )
-    bad = [n for n, t in state.items() if t.is_floating_point() and not bool(t.isfinite().all())]
-    if bad:
-        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
-        raise UsageError(
-            f"{path}: the weights hold NaN/inf values ({bad[0]}{more}): the run that saved them "
-            "diverged; use an earlier checkpoint (RUN/checkpoints/step-N)"
         )
     (strategy or Strategy()).load_state_dict(model, state)
 
@@ -198,7 +215,20 @@ def find_config(src: str) -> str | None:
 
 
 def export(src: str, out: str | None = None) -> str:
-    """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict."""
+    """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict.
+
+    Checked in the order a user reads the command: the source exists, the output may be
+    written, the weights are whole and finite; nothing is written until all three hold."""
+    if not os.path.exists(src):
+        swapped = out is not None and os.path.exists(out) and not _is_export(out)
+        raise UsageError(
+            f"export {src}: no such run directory, checkpoint or weights file: "
+            + (
+                f"the source comes first, the output after -o: trainer export {out} -o {src}"
+                if swapped
+                else "name what to export first (trainer export RUN_DIR -o OUT)"
+            )
+        )
     if out is None:
         out = (
             os.path.join(src, "export")
@@ -222,6 +252,11 @@ def export(src: str, out: str | None = None) -> str:
 
 
 EXPORTED = {"model.safetensors", "config.yaml"}
+
+
+def _is_export(path: str) -> bool:
+    """An earlier export's folder (only what export writes): a fine -o, not a swapped source."""
+    return os.path.isdir(path) and set(os.listdir(path)) <= EXPORTED
 
 
 def _check_out(out: str) -> None:
