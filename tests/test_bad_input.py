@@ -342,8 +342,9 @@ def export_cases(folder) -> list[Case]:
             f.write("name: somerun\n" if name == "config.yaml" else "")
     new, missing = os.path.join(folder, "new-out"), os.path.join(folder, "missing.pt")
     return [
-        Case("export order", ("export", missing), missing),
-        Case("export order", ("export", missing, "-o", "/nonexistent/out"), missing),
+        Case("export order", ("export", missing), f"export {missing}: no such"),
+        Case("export order", ("export", "/nonexistent/path"), "export /nonexistent/path: no such"),
+        Case("export order", ("export", missing, "-o", "/nonexistent/out"), f"{missing}: no such"),
         Case("export order", ("export", new, "-o", run), f"trainer export {run} -o {new}"),
         Case("export order", ("export", new, src), f"trainer export {src} -o {new}"),
         Case("export order", ("export", src, new), f"trainer export {src} -o {new}"),
