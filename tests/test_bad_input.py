@@ -217,6 +217,8 @@ def config_check_cases() -> list[Case]:
         *[Case("long value", ("config", "check", arg), names) for arg, names in LONG],
         *[Case("long value", ("train", "--dry-run", arg), names) for arg, names in LONG],
         Case("cli", ("config", "bogus"), "action"),
+        Case("cli", ("config", "explain", "optim.lrr"), "optim.lrr"),
+        Case("cli", ("config", "explain", "optimizer"), "optimizer"),
         Case("cli", ("bogus",), "bogus"),
         Case("cli", ("config", "check", "--bogus"), "--bogus"),
         Case("cli", ("train", "--from", "/nonexistent-run"), "--from"),

@@ -196,3 +196,71 @@ def test_preempted_counts_only_when_the_node_itself_was_signalled(tmp_path):
     assert node_exit_code(str(tmp_path), 143, signalled=True) == 3
     _codes(tmp_path, **{"attempt-0_rank-0": 4})
     assert node_exit_code(str(tmp_path), 143, signalled=True) == 4
+
+
+# --- trainer config explain: the schema's own docstrings, from the CLI ------------------------
+
+
+def test_every_key_and_section_has_a_description():
+    from trainer.config import schema
+    from trainer.config.explain import doc
+
+    assert [f.key for f in schema.fields() if not doc(f)] == []
+
+
+def test_explain_reads_the_docstring_under_each_field_in_schema_py():
+    import inspect
+
+    from trainer.config import schema
+    from trainer.config.explain import attribute_docs
+
+    source = inspect.getsource(schema.OptimConfig)
+    docs = attribute_docs(schema.OptimConfig)
+    assert docs["lr"] == "Peak learning rate." and '"""Peak learning rate."""' in source
+    assert set(docs) == {f.name for f in schema.dataclasses.fields(schema.OptimConfig)}
+
+
+def test_config_explain_a_key_says_type_range_default_resolved_value_and_meaning(capsys):
+    from trainer import cli
+
+    code = cli.main(
+        ["config", "explain", "optim.lr", "repro.shards", "--config", "digits-lenet", "seed=3"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    first, *rest = out.split("\n\n")[0].splitlines()
+    assert first == "optim.lr: float = 0.003  (default 0.001)"  # digits-lenet sets 0.003
+    assert rest == ["  range: > 0 and <= 10", "  Peak learning rate."]
+    assert "repro.shards: int = 8\n  range: > 0 and <= 2**16\n  Shards per global batch" in out
+
+
+def test_config_explain_a_section_lists_its_keys_and_no_key_lists_the_sections(capsys):
+    from trainer import cli
+    from trainer.config import schema
+
+    assert cli.main(["config", "explain", "sched", "sched.name=cosine"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("sched: The learning-rate schedule")
+    keys = [f.key for f in schema.walk(schema.SchedConfig, "sched.")]
+    assert [line.split()[0] for line in out[1:]] == keys
+    assert out[1].split()[:3] == ["sched.name", "=", "cosine"]
+    assert cli.main(["config", "explain"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()[1:]]
+    assert listed == [f.key for f in schema.walk(nested=False)]
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    # `trainer config explain | head -3`: head exits, the next write raises BrokenPipeError.
+    code = (
+        "import sys\n"
+        "from trainer.config import explain\n"
+        "def gone(*a):\n"
+        "    raise BrokenPipeError(32, 'Broken pipe')\n"
+        "explain.explain = gone\n"
+        "from trainer import cli\n"
+        "sys.exit(cli.main(['config', 'explain', 'optim']))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
+    )
+    assert (p.returncode, p.stderr) == (141, "")

@@ -91,11 +91,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_cmd_doctor)
 
-    p = sub.add_parser("config", help="show, check or list configs")
+    p = sub.add_parser(
+        "config",
+        help="show, check, list or explain configs",
+        description="show: print the resolved config; check: validate it; list: the presets; "
+        "explain [KEY|SECTION ...]: each key's description, type, range, default and resolved "
+        "value (no key: the sections), e.g. `trainer config explain optim.lr data`",
+    )
     p.add_argument(
         "action",
-        choices=("show", "check", "list"),
-        help="show: print the resolved config; check: validate it; list: the presets",
+        choices=("show", "check", "list", "explain"),
+        help="show: print the resolved config; check: validate it; list: the presets; "
+        "explain [KEY|SECTION ...]: what each key means",
     )
     p.add_argument(
         "--world-size",
@@ -198,8 +205,16 @@ def _cmd_config(args) -> int:
         for name in config.presets():
             print(name)
         return ExitCode.OK
+    keys = []
+    if args.action == "explain":  # bare words are keys to explain; key=value still overrides
+        keys = [a for a in args.overrides if "=" not in a]
+        args.overrides = [a for a in args.overrides if "=" in a]
     cfg = config.load(args.config, args.overrides)
-    if args.action == "show":
+    if args.action == "explain":
+        from trainer.config.explain import explain
+
+        print(explain(cfg, keys))
+    elif args.action == "show":
         print(config.to_yaml(cfg), end="")
     else:
         world_size = 1 if args.world_size is None else args.world_size
@@ -223,6 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse: usage errors (2) and --help (0)
         record_exit(e.code if isinstance(e.code, int) else ExitCode.ERROR)
         raise
+    except BrokenPipeError:  # `trainer config explain | head`: the reader had enough
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush must not fail
+        return 128 + 13  # as a shell reports SIGPIPE, silently
     except BaseException:  # a bug: keep the traceback, but let the launcher know
         record_exit(ExitCode.ERROR)
         raise

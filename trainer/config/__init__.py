@@ -5,6 +5,8 @@ schema.py   the dataclasses (every field a default and a docstring) and `walk`, 
 ranges.py   the table of numeric ranges and non-empty strings, the checks and hints on it
 rules.py    the strategy and world-size rules (no torch: `config check` applies them too)
 load.py     merging the layers; every mistake a one-line UsageError naming the fix
+explain.py  `trainer config explain`: each key's docstring (read from schema.py), type, range,
+            default and resolved value
 """
 
 from trainer.config.load import load, presets, to_dict, to_yaml

@@ -23,6 +23,7 @@ class SyntheticConfig:
     shape: list[int] = field(default_factory=lambda: [3, 32, 32])
     """One sample's shape, e.g. [3,32,32] (an image) or [20] (a feature vector)."""
     num_classes: int = 10
+    """Classes (one prototype each)."""
     size: int = 1024
     """Training samples."""
     test_size: int = 256
@@ -55,6 +56,8 @@ class TextConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
+    """The dataset, its splits, the global batch and how batches reach the ranks."""
+
     name: str = "digits"
     """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic |
     text, or `package.module:factory`."""
@@ -120,9 +123,11 @@ class GPTConfig:
     """model.name=gpt: a decoder-only transformer (vocabulary and sequence length: the data's)."""
 
     layers: int = 4
+    """Transformer blocks."""
     width: int = 128
     """Embedding width; a multiple of heads."""
     heads: int = 4
+    """Attention heads per block."""
 
     def __post_init__(self) -> None:
         check_fields(self, "model.gpt.")
@@ -135,6 +140,8 @@ class GPTConfig:
 
 @dataclass(kw_only=True)
 class ModelConfig:
+    """The network: a registry name or your own factory, and its shape."""
+
     name: str = "mlp"
     """Model: mlp | lenet | resnet18 | vgg11 | gpt, or `package.module:factory`."""
     hidden: list[int] = field(default_factory=lambda: [256, 128])
@@ -161,14 +168,18 @@ class ModelConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
+    """The optimizer (one parameter group)."""
+
     name: str = "adamw"
     """sgd | adam | adamw."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
+    """L2 penalty (sgd, adam) or decoupled weight decay (adamw), on every parameter."""
     momentum: float = 0.9
     """SGD momentum."""
     nesterov: bool = False
+    """SGD: Nesterov momentum."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam/AdamW betas."""
 
@@ -181,6 +192,8 @@ class OptimConfig:
 
 @dataclass(kw_only=True)
 class SchedConfig:
+    """The learning-rate schedule, a pure function of the optimizer step."""
+
     name: str = "none"
     """none | step | cosine | onecycle. The lr is a pure function of the optimizer step."""
     warmup_steps: int = 0
@@ -188,6 +201,7 @@ class SchedConfig:
     step_size_epochs: int = 1
     """step: multiply by gamma every this many epochs (like torch StepLR stepped per epoch)."""
     gamma: float = 0.7
+    """step: the factor applied every step_size_epochs."""
     min_lr_ratio: float = 0.0
     """cosine: final lr as a fraction of optim.lr."""
     pct_start: float = 0.3
@@ -200,7 +214,10 @@ class SchedConfig:
 
 @dataclass(kw_only=True)
 class TrainConfig:
+    """How long to train and what each step does (precision, clipping, micro-batches)."""
+
     epochs: int = 20
+    """Passes over the training split (each ends with an evaluation, see eval_every_epochs)."""
     max_steps: int | None = None
     """Stop after this many optimizer steps in total (null: run all epochs)."""
     eval_every_steps: int = 0
@@ -233,6 +250,8 @@ class TrainConfig:
 
 @dataclass(kw_only=True)
 class DistConfig:
+    """How the ranks share the work: strategy, backend, device and timeouts."""
+
     strategy: str = "auto"
     """auto (ddp when world > 1, else none) | none (world 1 only) | ddp | fsdp (FSDP2: parameters,
     gradients and optimizer state sharded over the ranks) | dp (nn.DataParallel over this
@@ -267,6 +286,8 @@ class FSDPConfig:
 
 @dataclass(kw_only=True)
 class LogConfig:
+    """Metrics records, console progress and TensorBoard."""
+
     every_steps: int = 10
     """Write a metrics.jsonl record (and a console line) every N optimizer steps."""
     progress: str = "auto"
@@ -282,6 +303,8 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class CkptConfig:
+    """Checkpoints: where, how often, how many, and what to resume or start from."""
+
     dir: str | None = None
     """Where checkpoints go (default: <run_dir>/checkpoints): a step-<N> folder per save."""
     every_steps: int = 0
@@ -302,6 +325,8 @@ class CkptConfig:
 
 @dataclass(kw_only=True)
 class ReproConfig:
+    """Reproducibility: deterministic kernels, and the same bits on any world size."""
+
     deterministic: bool = False
     """Deterministic algorithms only (torch.use_deterministic_algorithms, cuDNN deterministic
     and no benchmark, CUBLAS_WORKSPACE_CONFIG). Slower on GPU; CPU runs are bitwise anyway."""
