@@ -325,6 +325,14 @@ def test_help_and_a_two_process_training_job_in_a_plain_container(engine, image,
     assert "1 node x 2 process(es)" in p.stderr and "OMP_NUM_THREADS=" in p.stderr
     s = summary(runs / "plain")
     assert (s["world_size"], s["steps"], s["backend"]) == (2, 40, "gloo")
+    # `trainer report` works in the image (matplotlib was a dev-only extra: a traceback here).
+    p = engine.docker(
+        "run", "--rm", "--network=none", "-v", f"{runs}:/workspace/runs", TAG,
+        "report", "runs/plain", check=False, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert (runs / "plain" / "report" / "loss.png").stat().st_size > 1000
+    assert "| run |" in (runs / "plain" / "report" / "report.md").read_text()
 
 
 def test_compose_cpu_runs_hardened_and_equals_make_run_local(project, cpu_run, tmp_path, report):

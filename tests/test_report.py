@@ -210,3 +210,24 @@ def test_a_real_run(tmp_path, capsys):
     for name in ("loss.png", "lr.png", "throughput.png", "eval_loss.png", "eval_accuracy.png"):
         assert png_size(run / "report" / name) == (800, 450)
         assert str(run / "report" / name) in stdout.split()
+
+
+def test_without_matplotlib_it_says_how_to_get_it_in_one_line(tmp_path, capsys, monkeypatch):
+    # A dependency since users met a traceback where it was an extra (the image); an install
+    # without it (pip --no-deps) gets one line, and nothing is written.
+    fake_run(tmp_path, "a", world=1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert cli.main(["report", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "trainer: error: trainer report draws with matplotlib, which is not installed here: "
+        "pip install matplotlib"
+    ]
+    assert not (tmp_path / "a" / "report").exists()
+
+
+def test_matplotlib_is_a_dependency_not_an_extra():
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert any(d.startswith("matplotlib") for d in project["dependencies"])

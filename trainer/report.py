@@ -353,6 +353,13 @@ def default_out(run_dirs: list[str]) -> str:
 
 def write_report(run_dirs: list[str], out: str | None = None, note=print) -> list[str]:
     """Read the runs, write OUT/*.png and OUT/report.md; the paths written (report.md last)."""
+    try:
+        import matplotlib  # noqa: F401  (a dependency; a --no-deps install may lack it)
+    except ImportError:
+        raise UsageError(
+            "trainer report draws with matplotlib, which is not installed here: "
+            "pip install matplotlib"
+        ) from None
     runs = [load_run(p) for p in run_dirs]
     for run in runs:
         for n in run.notes:
