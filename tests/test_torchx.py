@@ -266,6 +266,36 @@ def test_kubernetes_dryrun_is_a_volcano_job_running_the_trainer_under_torchrun(t
         mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
         assert mounts["/dev/shm"]["emptyDir"] == {"medium": "Memory"}
         assert mounts[k["dst"]]["persistentVolumeClaim"] == {"claimName": k["claim"]}
+        assert len(mounts) == 2  # --mounts at /workspace/runs replaced the default claim
+
+
+def test_the_documented_gpu_job_sizes_memory_for_its_gpus_and_keeps_runs_on_the_claim(tmp_path):
+    # `torchx run --dryrun -s kubernetes ...:train --nnodes 2 --gpu 8`, as docs/torchx.md has it:
+    # TorchX's 4 GB / 2 CPUs for 8 GPUs (with /dev/shm counted against that memory) and runs
+    # that died with the pod, before.
+    from trainer.components import RUNS_DIR
+
+    def pods(*extra):
+        p = torchx("run", "--dryrun", "-s", "kubernetes", COMPONENT, *extra, tmp_path=tmp_path)
+        job = yaml.safe_load(p.stdout.split("=== SCHEDULER REQUEST ===", 1)[1])
+        return [t["template"]["spec"] for t in job["spec"]["tasks"]]
+
+    claim = yaml.safe_load((ROOT / "k8s" / "base" / "pvc.yaml").read_text())["metadata"]["name"]
+    for pod in pods("--nnodes", "2", "--gpu", "8"):
+        (c,) = pod["containers"]
+        assert c["resources"]["limits"] == {
+            "cpu": "32000m",  # 4 per GPU
+            "memory": f"{4096 + 8 * 16384}M",  # 16 GB per GPU on top of the CPU default
+            "nvidia.com/gpu": "8",
+        }
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in c["volumeMounts"]}
+        assert mounts["/dev/shm"]["emptyDir"] == {"medium": "Memory"}
+        assert mounts[RUNS_DIR]["persistentVolumeClaim"] == {"claimName": claim}
+    (cpu_pod,) = pods("--runs_volume", "")  # no GPU: TorchX's defaults; no runs volume asked
+    (c,) = cpu_pod["containers"]
+    assert c["resources"]["limits"] == {"cpu": "2000m", "memory": "4096M"}
+    assert [m["mountPath"] for m in c["volumeMounts"]] == ["/dev/shm"]
 
 
 def test_every_job_gets_its_own_rendezvous_id_and_run_dir(tmp_path):
@@ -331,13 +361,11 @@ def test_local_docker_dryrun_containers(tmp_path, monkeypatch):
         assert TORCH_ENV.items() <= kw["environment"].items()
         assert kw["environment"]["TORCHX_RANK0_HOST"] == rank0
         assert kw["environment"]["NCCL_DEBUG"] == "INFO"
-        (m,) = kw["mounts"]
-        assert (m["Type"], m["Source"], m["Target"], m["ReadOnly"]) == (
-            "bind",
-            str(data),
-            "/workspace/data",
-            True,
-        )
+        mounts = {m["Target"]: (m["Type"], m["Source"], m["ReadOnly"]) for m in kw["mounts"]}
+        assert mounts == {
+            "/workspace/data": ("bind", str(data), True),
+            "/workspace/runs": ("volume", "trainer-runs", False),  # runs outlive the container
+        }
 
 
 def image_run(command: list[str], container_env: dict[str, str], workspace: Path):
@@ -423,6 +451,8 @@ def test_help_shows_the_docstring(tmp_path):
         (["--config", "digits-lenett"], "(did you mean 'digits-lenet'?)"),
         (["--gpu", "2", "--nproc_per_node", "4"], "--nproc_per_node 4 but 2 GPU(s) per node"),
         (["-h", "no-such-host"], "-h no-such-host: No named resource found"),
+        (["--memMB", "100"], "--memMB 100: use 256 MB or more"),
+        (["--cpu", "-1"], "--cpu -1: use 1 or more CPUs"),
         (
             ["--nnodes", "2", "--nproc_per_node", "2", "data.global_batch_size=6"],
             "data.global_batch_size=6 does not split over 4 ranks",

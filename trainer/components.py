@@ -2,7 +2,7 @@
 
     torchx run -s local_cwd trainer/components.py:train --nproc_per_node 2 train.epochs=5
     torchx run -s local_docker trainer/components.py:train --image trainer:cpu --nproc_per_node 2
-    torchx run -s kubernetes trainer/components.py:train --nnodes 2 --gpu 8 --cpu 64 --memMB 500000
+    torchx run -s kubernetes trainer/components.py:train --nnodes 2 --gpu 8
 
 Every scheduler runs the same per-rank process as the other launchers,
 `python -m trainer train --config NAME key=value ...`, under torchrun. The app itself is TorchX's
@@ -16,7 +16,10 @@ replica per node, resources, mounts). On top of it this adds:
 - torchrun worker-group restarts (dist.ddp 0.7 has none: PET_MAX_RESTARTS, the variable torchrun
   reads as the default of --max-restarts) and, on several nodes, the rendezvous join/read
   timeouts trainer-launch uses (PET_RDZV_CONF), because pods start minutes apart;
-- one process per GPU by default.
+- one process per GPU by default, CPUs and memory sized for the GPUs (TorchX's 2 CPUs and
+  4 GB would be the whole of an 8-GPU pod, /dev/shm included);
+- the runs volume `trainer-runs` (k8s/base/pvc.yaml's claim) at /workspace/runs, so checkpoints
+  outlive the pod and a retried job resumes.
 
 /dev/shm is the schedulers' business in TorchX 0.7: `kubernetes` always mounts an
 `emptyDir: {medium: Memory}` at /dev/shm (no size limit; it counts against the pod's memory), and
@@ -42,6 +45,15 @@ from trainer.launch.nodeenv import DEFAULT_JOIN_TIMEOUT_S, DEFAULT_MASTER_PORT, 
 DEFAULT_IMAGE = "trainer:cuda"
 """What `make image` builds (IMAGE=trainer, VARIANT=cuda); `trainer:cpu` is `make image VARIANT=cpu`."""
 
+RUNS_DIR = "/workspace/runs"
+"""Where the image's jobs write run directories (its WORKDIR is /workspace; run_dir=runs/...)."""
+RUNS_VOLUME = "trainer-runs"
+"""The claim k8s/base/pvc.yaml creates (ReadWriteMany), mounted at RUNS_DIR by default."""
+DEFAULT_CPU, CPU_PER_GPU = 2, 4
+DEFAULT_MEM_MB, MEM_MB_PER_GPU = 4096, 16384
+"""Per node: enough for the CPU presets, and per GPU for a data loader's workers and /dev/shm
+(TorchX's 4 GB default gave an 8-GPU pod 4 GB in all)."""
+
 
 def train(
     *overrides: str,
@@ -49,9 +61,9 @@ def train(
     image: str = DEFAULT_IMAGE,
     nnodes: int = 1,
     nproc_per_node: int = 0,
-    cpu: int = 2,
+    cpu: int = 0,
     gpu: int = 0,
-    memMB: int = 4096,
+    memMB: int = 0,
     h: Optional[str] = None,
     max_restarts: int = DEFAULT_MAX_RESTARTS,
     max_retries: int = 0,
@@ -59,6 +71,7 @@ def train(
     env: Optional[Dict[str, str]] = None,
     rdzv_port: int = DEFAULT_MASTER_PORT,
     name: str = "/",
+    runs_volume: str = RUNS_VOLUME,
 ) -> specs.AppDef:
     """Train with the trainer (`python -m trainer train`) under torchrun, on any TorchX scheduler.
 
@@ -75,9 +88,10 @@ def train(
             `make image VARIANT=cpu` trainer:cpu. local_cwd ignores it and runs this checkout
         nnodes: number of nodes (replicas); more than one uses a c10d rendezvous on replica 0
         nproc_per_node: processes per node; 0: one per GPU (gpu, or h's), else 1
-        cpu: CPUs per node
+        cpu: CPUs per node; 0: 2, or 4 per GPU
         gpu: GPUs per node (kubernetes: nvidia.com/gpu; local_docker: a GPU device request)
-        memMB: memory per node in MB (local_docker also sizes /dev/shm to it)
+        memMB: memory per node in MB; 0: 4096 plus 16384 per GPU. /dev/shm (a Memory
+            emptyDir on kubernetes, shm_size on local_docker) counts against it
         h: a TorchX named resource (e.g. aws_p4d.24xlarge); replaces cpu, gpu and memMB
         max_restarts: torchrun worker-group restarts on each node before the node fails
         max_retries: scheduler-level retries of the whole app (e.g. Volcano job retries)
@@ -87,6 +101,10 @@ def train(
             the defaults this component sets
         rdzv_port: rendezvous port on replica 0 (several nodes only)
         name: job name: {experiment}/{run}, {experiment}/, /{run} or {run} (default run: trainer)
+        runs_volume: a volume mounted at /workspace/runs so checkpoints outlive the pod and a
+            restarted job resumes (kubernetes: this PersistentVolumeClaim, ReadWriteMany, which
+            k8s/base/pvc.yaml creates; local_docker: a named volume); "" for none. A --mounts
+            entry at /workspace/runs replaces it
     """
     gpus = gpu
     if h is not None:
@@ -111,6 +129,15 @@ def train(
         timeout = DEFAULT_JOIN_TIMEOUT_S
         role_env["PET_RDZV_CONF"] = f"join_timeout={timeout},read_timeout={timeout}"
     role_env.update(env or {})
+    cpu = cpu or max(DEFAULT_CPU, CPU_PER_GPU * gpus)
+    memMB = memMB or DEFAULT_MEM_MB + MEM_MB_PER_GPU * gpus
+    _check(cpu >= 1, f"--cpu {cpu}: use 1 or more CPUs per node (0: 2, or 4 per GPU)")
+    _check(memMB >= 256, f"--memMB {memMB}: use 256 MB or more (0: 4096 plus 16384 per GPU)")
+    mounts = list(
+        mounts or []
+    )  # option tokens, as TorchX splits --mounts: type=..., src=..., dst=...
+    if runs_volume and RUNS_DIR not in _mount_dsts(mounts):
+        mounts += ["type=volume", f"src={runs_volume}", f"dst={RUNS_DIR}"]
     return _torchx_dist.ddp(
         *args,
         m="trainer",
@@ -126,6 +153,15 @@ def train(
         rdzv_port=rdzv_port,
         mounts=mounts,
     )
+
+
+def _mount_dsts(mounts: List[str]) -> List[str]:
+    """The container paths --mounts already uses (TorchX gives its options one per item)."""
+    return [
+        opt.split("=", 1)[1].rstrip("/")
+        for opt in mounts
+        if opt.startswith(("dst=", "destination="))
+    ]
 
 
 def _check(ok: bool, message: str) -> None:
