@@ -67,7 +67,7 @@ test: setup  ## the whole test suite (what CI runs)
 test-quick: setup  ## the suite without the tests marked slow (under 3 minutes: the edit-test loop)
 	$(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
-test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min, ~10 GB)
+test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min; 12 GB free disk, ~10 GB used at peak)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose.yaml, k8s/) and Docker Compose
@@ -96,10 +96,10 @@ lock:  ## re-resolve requirements.lock from pyproject.toml (a fresh throwaway ve
 	rm -rf .lock-venv && $(PYTHON) -m venv .lock-venv
 	.lock-venv/bin/python -m pip install --quiet '.[$(EXTRAS)]'
 	{ echo "# Exact versions for the Makefile and docker/Dockerfile. Regenerate: make lock"; \
-	  .lock-venv/bin/python -m pip freeze --exclude trainer; } > requirements.lock
+	  .lock-venv/bin/python -m pip freeze --exclude repro-trainer; } > requirements.lock
 	rm -rf .lock-venv
 
-image:  ## build the image $(IMAGE):$(VARIANT) from docker/Dockerfile (VARIANT=cuda|cpu; needs a Docker engine)
+image:  ## build the image IMAGE:VARIANT (default trainer:cuda; VARIANT=cpu for trainer:cpu) from docker/Dockerfile (needs a Docker engine)
 	DOCKER_BUILDKIT=1 $(DOCKER) build -f docker/Dockerfile --build-arg VARIANT=$(VARIANT) \
 		$(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
 		$(if $(PIP_CONF),--secret id=pip.conf$(comma)src=$(abspath $(PIP_CONF))) $(DOCKER_BUILD_ARGS) \

@@ -514,7 +514,7 @@ def test_without_the_extra_the_import_says_what_to_install():
     p = subprocess.run([sys.executable, "-c", code], env=env(), capture_output=True, text=True)
     assert p.returncode == 1
     assert p.stderr.strip().splitlines()[-1] == (
-        "ImportError: trainer.components needs TorchX: pip install 'trainer[torchx]'"
+        "ImportError: trainer.components needs TorchX: pip install 'repro-trainer[torchx]'"
     )
 
 

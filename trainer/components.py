@@ -36,7 +36,9 @@ try:
     from torchx import specs
     from torchx.components import dist as _torchx_dist
 except ImportError:
-    raise ImportError("trainer.components needs TorchX: pip install 'trainer[torchx]'") from None
+    raise ImportError(
+        "trainer.components needs TorchX: pip install 'repro-trainer[torchx]'"
+    ) from None
 
 from trainer.config import DEFAULT_PRESET
 from trainer.launch import TORCH_ENV

@@ -11,13 +11,15 @@ import time
 from importlib import metadata
 
 _PACKAGES = ("trainer", "torch", "torchvision", "numpy", "omegaconf", "scikit-learn", "safetensors")
+_DISTRIBUTION = {"trainer": "repro-trainer"}
+"""Our distribution's name (PyPI's `trainer` is another project); the package is `trainer`."""
 
 
 def versions() -> dict[str, str]:
     out = {"python": platform.python_version()}
     for name in _PACKAGES:
         try:
-            out[name] = metadata.version(name)
+            out[name] = metadata.version(_DISTRIBUTION.get(name, name))
         except metadata.PackageNotFoundError:
             continue
     try:
@@ -88,7 +90,7 @@ def _tensorboard(folder: str, resume_step: int | None, note):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         note(
-            "note: tensorboard is not installed, so no event files (pip install 'trainer[tensorboard]')"
+            "note: tensorboard is not installed, so no event files (pip install 'repro-trainer[tensorboard]')"
         )
         return None
     # purge_step hides events a killed attempt wrote past the checkpoint we resumed from.

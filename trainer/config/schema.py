@@ -294,7 +294,7 @@ class LogConfig:
     """auto (a bar on a TTY, plain lines otherwise) | bar | plain | none."""
     tensorboard: bool = True
     """Also write TensorBoard event files to <run_dir>/tb (skipped, with a note, if the
-    tensorboard package is not installed: pip install 'trainer[tensorboard]')."""
+    tensorboard package is not installed: pip install 'repro-trainer[tensorboard]')."""
 
     def __post_init__(self) -> None:
         check_fields(self, "log.")

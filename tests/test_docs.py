@@ -1,0 +1,152 @@
+"""Docs that cannot drift: every measured number they quote is checked against the one place it
+comes from (bench/results, the test harness's constants, the code), every install line names our
+distribution, and the README's cheap shell examples run here with the output it shows."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import shlex
+import tomllib
+
+import pytest
+
+from tests.engine import DISK_NEEDED
+from tests.helpers import ROOT
+from trainer import cli
+from trainer.errors import ExitCode
+
+README = (ROOT / "README.md").read_text()
+DOCS = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
+BENCH = json.loads((ROOT / "bench" / "results" / "cpu-cpu.json").read_text())
+RATIOS = BENCH["ratios"]
+ROWS = {r["name"]: r for r in BENCH["rows"]}
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    following = re.search(r"\n#{1,3} ", text[start + len(heading) :])
+    return text[start : start + len(heading) + following.start()] if following else text[start:]
+
+
+def _table(text: str) -> list[list[str]]:
+    """The body rows of every Markdown table in `text`, as cells."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("|") and not re.match(r"^\|[-:| ]+\|$", line):
+            rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def _shown(value: float, unit: str) -> str:
+    return f"{value:,.0f}" if unit == "samples/s" else f"{value:.2f}"
+
+
+def test_the_measured_tables_in_docs_benchmarks_are_the_committed_results():
+    measured = _section(DOCS["benchmarks.md"], "### Measured here")
+    checked = 0
+    for cells in _table(measured):
+        name = cells[0].strip("`")
+        if name in ROWS:
+            row = ROWS[name]
+            unit = row["unit"]
+            assert cells[1] == f"{_shown(row['median'], unit)} {unit}", (name, cells)
+            assert cells[2] == f"{_shown(row['min'], unit)}-{_shown(row['max'], unit)}", cells
+            checked += 1
+        elif name in RATIOS:
+            r = RATIOS[name]
+            assert cells[1] == f"{r['value']:.3f}", (name, cells)
+            assert cells[2] == f"{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}", (name, cells)
+            assert cells[3] == (f">= {r['target']:.2f}" if r["target"] else ""), (name, cells)
+            checked += 1
+    assert checked == len(ROWS) + len(RATIOS)  # every row and ratio, none left out
+
+
+def test_the_readme_quotes_the_committed_ratios():
+    table = _table(_section(README, "## Benchmarks"))
+    quoted = {float(n) for cells in table[1:] for n in re.findall(r"\d+\.\d\d", cells[1])}
+    rounded = lambda x: round(x, 2)  # noqa: E731
+    every = {rounded(r[k]) for r in RATIOS.values() for k in ("value", "per_rep_min", "per_rep_max")}
+    assert quoted <= every, sorted(quoted - every)  # nothing quoted that was not measured
+    assert {rounded(r["value"]) for r in RATIOS.values()} <= quoted  # and every ratio quoted
+
+
+def test_docs_training_quotes_the_world_invariant_cost_of_the_committed_run():
+    found = re.search(
+        r"world_invariant / plain throughput (\d\.\d\d) at 1 process and (\d\.\d\d) at 2",
+        DOCS["training.md"],
+    )
+    assert found, "docs/training.md no longer states the cost"
+    assert float(found[1]) == round(RATIOS["world_invariant / plain, world 1"]["value"], 2)
+    assert float(found[2]) == round(RATIOS["world_invariant / plain, world 2"]["value"], 2)
+
+
+def test_the_disk_that_test_image_needs_is_quoted_as_the_harness_checks_it():
+    needed = f"{DISK_NEEDED / 1e9:.0f} GB"
+    makefile = (ROOT / "Makefile").read_text()
+    for name, text in [("README.md", README), ("Makefile", makefile)]:
+        assert f"{needed} free disk" in text or f"{needed} of free disk" in text, name
+    assert f"less than {needed} free" in DOCS["containers.md"]
+
+
+def test_the_exit_code_table_has_every_code_the_commands_use():
+    table = _table(_section(DOCS["training.md"], "### Exit codes"))
+    codes = {cells[0]: cells[1] for cells in table[1:]}
+    assert {str(int(c)) for c in ExitCode} <= codes.keys()
+    assert "NaN" in codes["2"] and "NaN" in cli.EXIT_CODES  # a diverged run: exit 2
+    assert "128+N" in codes and "trainer-launch" in codes["128+N"]
+
+
+def test_every_install_line_names_our_distribution():
+    ours = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["name"]
+    assert ours == "repro-trainer"  # PyPI's `trainer` is another project
+    sources = {"README.md": README, **DOCS}
+    for path in (ROOT / "trainer").rglob("*.py"):
+        sources[str(path.relative_to(ROOT))] = path.read_text()
+    lines = [
+        (name, m[0])
+        for name, text in sources.items()
+        for m in re.finditer(r"pip install '?([\w.-]+)\[[\w,]+\]'?", text)
+    ]
+    assert lines  # the extras are mentioned somewhere
+    wrong = [(name, line) for name, line in lines if f"install '{ours}[" not in line]
+    assert not wrong, wrong
+
+
+def _run(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = cli.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def _readme_config_commands() -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
+    commands = []
+    for block in blocks:
+        for line in block.splitlines():
+            command = line.split("  #")[0].strip()
+            if command.startswith("trainer config "):
+                commands.append(command)
+    return commands
+
+
+@pytest.mark.parametrize("command", _readme_config_commands())
+def test_the_readmes_config_examples_run(command):
+    code, out, err = _run(shlex.split(command)[1:])
+    assert code == 0, err
+    assert out.strip()
+
+
+def test_the_readmes_example_error_is_what_the_command_prints(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    shown = re.search(r"```\n\$ (trainer .*)\n(trainer: error: .*)\n```", README)
+    assert shown, "the README's example error is gone"
+    code, out, err = _run(shlex.split(shown[1])[1:])
+    assert code == 2 and err.strip() == shown[2]
+    assert not list(tmp_path.iterdir())  # refused before anything was written
