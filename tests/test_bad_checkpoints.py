@@ -538,7 +538,7 @@ def fill_disk_after(lines: int) -> None:
     RunLogger.open = open_
 
 
-def full_disk_model(num_classes, in_shape, lines=7):
+def full_disk_model(num_classes, in_shape, lines=9):
     """A plug-in model factory that, as a side effect, fills the disk under metrics.jsonl: how
     the subprocess test gets the fault into the real CLI."""
     fill_disk_after(lines)
@@ -561,15 +561,10 @@ def test_a_full_disk_under_metrics_saves_a_checkpoint_and_exits_4_in_one_line(tm
     for _, path in store.list_checkpoints(str(root)):
         store.verify(path)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines[:-1]] == [
-        1,
-        2,
-        3,
-        4,
-        5,
-        6,
-        7,
-    ]  # step 8: half a line
+    records = [(r["kind"], r["step"]) for r in map(json.loads, lines[:-1])]
+    train = [("train", step) for step in range(1, 8)]
+    saves = [("checkpoint", 3), ("checkpoint", 6)]
+    assert records == [*train[:3], saves[0], *train[3:6], saves[1], train[6]]  # 8: half a line
 
 
 def test_after_a_full_disk_the_earlier_checkpoints_and_metrics_are_intact_and_a_rerun_resumes(

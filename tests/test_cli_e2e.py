@@ -84,9 +84,71 @@ def test_console_is_a_bar_on_a_tty_and_plain_lines_otherwise(tmp_path):
             )
         log.close()
     assert "\r[" in tty.getvalue() and "4/4" in tty.getvalue()
-    assert "\r" not in pipe.getvalue() and pipe.getvalue().count("\n") == 4
+    plain = pipe.getvalue().splitlines()  # the run dir, a line after step 1, one per record
+    assert "\r" not in pipe.getvalue() and len(plain) == 6
+    assert plain[0] == f"run dir: {tmp_path} (metrics.jsonl as it trains)"
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 4 and json.loads(lines[-1])["loss"] == 0.25
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_progress_lines_say_where_how_fast_how_long_and_how_much_longer(tmp_path, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr("trainer.metrics.time.monotonic", clock)
+    out = io.StringIO()
+    log = RunLogger(main=True, progress="plain", total_steps=100, epochs=4, stream=out)
+    log.open(str(tmp_path))
+    for step in range(1, 12):  # 1 s a step; the first (warm-up) is not timed
+        log.tick(step, epoch=1)
+        clock.now += 1.0
+    record = {"kind": "train", "step": 11, "epoch": 1, "loss": 0.5, "lr": 0.001}
+    log.record({**record, "samples_per_s": 1234.5, "data_wait_pct": 1.25, "mfu": 0.125})
+    lines = out.getvalue().splitlines()
+    assert lines[1] == "step 1/100 (1%) | epoch 1/4 | 0:00 elapsed"  # at once, after step 1
+    assert lines[2] == (
+        "step 11/100 (11%) | epoch 1/4 | loss 0.5 | lr 0.001 | 1,234 samples/s | data wait 1.2% "
+        "| MFU 12.5% | 0:11 elapsed, ETA 1:38"  # 89 steps left at 10 steps in 11 s: 97.9 s
+    )
+    clock.now += RunLogger.HEARTBEAT_S  # a slow step: a line anyway, before the next record
+    log.tick(12, epoch=1)
+    assert out.getvalue().splitlines()[-1].startswith("step 12/100 (12%) | epoch 1/4 | 0:41 ")
+    log.record({"kind": "eval", "step": 25, "epoch": 1, "eval.loss": 0.25, "eval.count": 359})
+    assert out.getvalue().splitlines()[-1] == (
+        "eval at step 25/100 (25%) | epoch 1/4 | loss 0.25 | 359 samples"  # no raw keys
+    )
+    log.record({"kind": "checkpoint", "step": 25, "reason": "every_epochs", "seconds": 0.1})
+    log.close()
+    assert len(out.getvalue().splitlines()) == 5  # a checkpoint record is not a console line
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert kinds == ["train", "eval", "checkpoint"]
+
+
+def test_a_run_prints_its_folder_first_quiet_checkpoints_and_one_epoch_numbering(tmp_path, capsys):
+    from tests.helpers import TINY, train_here
+
+    train_here(
+        "train", *TINY, "train.epochs=3", "log.every_steps=3", "log.progress=plain",
+        f"run_dir={tmp_path}",
+    )  # fmt: skip
+    stdout = capsys.readouterr().out
+    assert stdout.splitlines()[0] == f"run dir: {tmp_path} (metrics.jsonl, tb/ as it trains)"
+    assert "checkpoint" not in stdout  # 3 saves, in metrics.jsonl only
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    saves = [r["step"] for r in records if r["kind"] == "checkpoint"]
+    assert saves == [3, 6, 9]  # the end of each epoch (3 steps each); the last one is final
+    by_step = {}
+    for r in records:
+        if r["kind"] in ("train", "eval"):
+            by_step.setdefault(r["step"], set()).add(r["epoch"])
+    assert all(len(epochs) == 1 for epochs in by_step.values()), by_step
+    assert by_step[3] == {1} and by_step[9] == {3}  # 1-based, the epoch the step belongs to
 
 
 def test_non_main_ranks_write_and_print_nothing(tmp_path):

@@ -93,7 +93,7 @@ def fit(run: Run) -> None:
             state.step += 1
             state.step_in_epoch += 1
             state.samples_seen += count
-            run.log.tick(state.step)
+            run.log.tick(state.step, state.epoch + 1)
             if should_log(cfg.log.every_steps, state.step, run.total_steps):
                 vote.every = _log_train(run, losses, clock)
             if should_eval(cfg.train, step=state.step):
@@ -124,6 +124,14 @@ def fit(run: Run) -> None:
     run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
 
 
+def epoch_of(state) -> int:
+    """The 1-based epoch the last step belongs to: the one in progress, or the one just ended
+    (records of the same step say the same epoch, before and after the loop moves on)."""
+    if state.step_in_epoch == 0 and state.epoch > 0:
+        return state.epoch
+    return state.epoch + 1
+
+
 def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
     """Writes the window's train record; returns the stop-vote cadence the ranks agreed on."""
     samples, steps = losses.window_samples, losses.window_steps
@@ -138,7 +146,7 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
         _stop_for_metrics(run, clock, failed)
     check_loss(run, loss)
     run.results.record_train(loss)
-    record = {"kind": "train", "step": run.state.step, "epoch": run.state.epoch, "loss": loss}
+    record = {"kind": "train", "step": run.state.step, "epoch": epoch_of(run.state), "loss": loss}
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
     run.log.record(record)
@@ -171,7 +179,7 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
         run.results.record_eval(result, run.state.step)
         metrics = {f"eval.{k}": v for k, v in result.items()}
         run.log.record(
-            {"kind": "eval", "step": run.state.step, "epoch": run.state.epoch, **metrics}
+            {"kind": "eval", "step": run.state.step, "epoch": epoch_of(run.state), **metrics}
         )
 
 

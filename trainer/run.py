@@ -171,7 +171,9 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         step.shards = ShardedGradients(
             model, rank=world.rank, world_size=world.size, shards=strategy.shards
         )
-    log = RunLogger(main=world.is_main, progress=cfg.log.progress, total_steps=total)
+    log = RunLogger(
+        main=world.is_main, progress=cfg.log.progress, total_steps=total, epochs=cfg.train.epochs
+    )
     if note := strategy.note(world):
         log.info(note)
     ckpt = Checkpointer(cfg, world, step, log)

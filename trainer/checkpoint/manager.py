@@ -131,6 +131,10 @@ def choose_resume(resume: str, root: str, warn, skip=()) -> str | None:
     return path
 
 
+ROUTINE_SAVES = ("every_steps", "every_epochs", "final")
+"""Saves on schedule: metrics.jsonl records only (one console line per epoch was noise)."""
+
+
 class Checkpointer:
     """Saves and restores everything `step` trains (model, optimizer, schedule, loss scaler) with
     the loop position and every rank's RNG, in checkpoint_dir(cfg)."""
@@ -293,7 +297,10 @@ class Checkpointer:
             store.prune(self.root, self.cfg.ckpt.keep_last)
         self.last_saved_step = state.step
         took = time.perf_counter() - started
-        self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
+        record = {"kind": "checkpoint", "step": state.step, "reason": reason, "seconds": took}
+        self.log.record({**record, "path": path}, console=False)
+        if reason not in ROUTINE_SAVES:  # a save the user should see (a signal's): say so
+            self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
         return path
 
     def write(self, root: str, state: LoopState, results: Results, reason: str) -> str:
