@@ -258,3 +258,75 @@ def test_saved_on_2_ranks_resumed_on_4_ends_at_the_one_process_weights(runs, tmp
 def test_off_by_default():
     cfg = config.load(None, [])
     assert cfg.repro.world_invariant is False and cfg.repro.shards == 8
+
+
+# --- the threads a process gets, and the kernels that made the bits -----------------------------
+
+DEFAULT_MLP = [  # digits-mlp's own width: its matmuls split over threads (MLP's [32] do not)
+    "train.max_steps=10",
+    "log.every_steps=1",
+    "log.progress=plain",
+    "log.tensorboard=false",
+    "repro.world_invariant=true",
+]
+
+
+@pytest.mark.slow
+def test_world_1_with_its_default_threads_equals_world_2_under_torchrun(runs, tmp_path):
+    """What a user tries first: `trainer train repro.world_invariant=true` (this machine's 2
+    default threads) against torchrun's 2 ranks (1 thread each). Different from step 7 before
+    the trainer pinned one thread under the mode."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, env
+
+    run_dir = tmp_path / "w1"
+    default_threads = {k: v for k, v in env().items() if k != "OMP_NUM_THREADS"}
+    argv = [sys.executable, "-m", "trainer", "train", *DEFAULT_MLP, f"run_dir={run_dir}"]
+    p = subprocess.run(argv, env=default_threads, cwd=ROOT, capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["kernels"]["threads"] == 1 and (os.cpu_count() or 1) > 1
+    two = runs(2, *DEFAULT_MLP)
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    assert [(r["step"], r["loss"]) for r in records if r["kind"] == "train"] == two["train"]
+    got = weights(run_dir)
+    assert all(torch.equal(got[k], t) for k, t in two["weights"].items())
+
+
+def test_an_in_process_run_gives_its_threads_back(tmp_path):
+    from tests.helpers import TINY
+    from trainer.train import train
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        train(config.load(None, [*TINY, *ON, "log.progress=none", f"run_dir={tmp_path}"]))
+        assert torch.get_num_threads() == 2  # pinned to 1 for the run only
+    finally:
+        torch.set_num_threads(before)
+    assert json.loads((tmp_path / "run.json").read_text())["kernels"]["threads"] == 1
+
+
+def test_a_resume_on_other_kernels_is_refused_in_one_line(tmp_path, capsys):
+    from tests.helpers import TINY
+    from trainer import cli
+    from trainer.checkpoint import store
+
+    args = [*TINY, *ON, "log.progress=none", "train.epochs=1", f"run_dir={tmp_path}"]
+    train_here("train", *args)
+    ckpt = tmp_path / "checkpoints" / "step-000000003"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["kernels"]["device"] == "cpu" and meta["kernels"]["threads"] == 1
+    meta["kernels"]["cpu_capability"] = "SOME-OTHER-ISA"  # as if saved on another machine
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    store.write_manifest(str(ckpt))
+    code = cli.main(["train", *args[:-2], "train.epochs=2", f"run_dir={tmp_path}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert "cannot resume" in err[0] and "cpu_capability 'SOME-OTHER-ISA' ->" in err[0]
+    code = cli.main(["train", *args[:-2], "train.epochs=2", "repro.world_invariant=false",
+                     f"run_dir={tmp_path}"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err  # without the promise, it resumes

@@ -24,6 +24,32 @@ def configure(cfg: ReproConfig) -> None:
     torch.backends.cudnn.benchmark = False
 
 
+def pin_threads(cfg: ReproConfig, device: str) -> int | None:
+    """Under repro.world_invariant on the CPU, one intra-op thread: a CPU kernel's reductions
+    split over threads, so the bits depended on OMP_NUM_THREADS (world 1 with its 2 default
+    threads and world 2 under torchrun, 1 each, differed from step 7 of the default config).
+    Returns the thread count it replaced (to restore), or None when it changed nothing."""
+    if not cfg.world_invariant or not device.startswith("cpu") or torch.get_num_threads() == 1:
+        return None
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    return before
+
+
+def kernel_set(device: str) -> dict:
+    """What, besides the config and the data, decides the bits of a world_invariant run: the
+    kind of device, its kernels and the thread count (recorded in run.json and checkpoints)."""
+    out = {"device": device.split(":")[0], "torch": torch.__version__}
+    if device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        out["cuda"] = torch.version.cuda
+        out["cudnn"] = torch.backends.cudnn.version()
+    else:
+        out["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        out["threads"] = torch.get_num_threads()
+    return out
+
+
 def seed_rank(seed: int, rank: int) -> None:
     """Give each rank its own RNG stream (dropout etc.), fixed by (seed, rank).
 

@@ -38,6 +38,15 @@ def train(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None)
     how = strategy.choose(cfg, world)
     check_world_size(cfg, world.size)
     repro.configure(cfg.repro)
+    threads = repro.pin_threads(cfg.repro, world.device)
+    try:
+        return _train(cfg, world, how, stop, started, dry_run)
+    finally:
+        if threads is not None:  # nothing global outlives the call (in-process callers)
+            torch.set_num_threads(threads)
+
+
+def _train(cfg, world, how, stop, started, dry_run) -> dict:
     with ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group):
         run = build(cfg, world, how, stop, started)
         if dry_run:
@@ -103,6 +112,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "versions": metrics.versions(),
         "argv": sys.argv,
         "data": run.data.source,
+        "kernels": repro.kernel_set(w.device),
     }
 
 

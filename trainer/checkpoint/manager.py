@@ -241,6 +241,7 @@ class Checkpointer:
                 f"cannot resume {path}: the config changed ({'; '.join(conflicts[:4])}); "
                 "use the saved values, or start fresh with ckpt.resume=never or a new run_dir"
             )
+        self._check_same_kernels(path, meta)
         trained = {k: extra.get(k) for k in ("scheduler", "scaler")}
         if store.is_sharded(path):
             from trainer.checkpoint import sharded
@@ -272,6 +273,23 @@ class Checkpointer:
         )
         self.last_saved_step = state.step
         return state, Results.from_dict(meta.get("results", {}))
+
+    def _check_same_kernels(self, path: str, meta: dict) -> None:
+        """Under repro.world_invariant, a resume on another kind of device, kernel set or torch
+        cannot continue the same bits: one line says which and how to go on."""
+        saved = meta.get("kernels")
+        if not self.cfg.repro.world_invariant or not isinstance(saved, dict):
+            return
+        here = repro.kernel_set(self.world.device)
+        changed = [
+            f"{k} {saved.get(k)!r} -> {here.get(k)!r}" for k in here if saved.get(k) != here.get(k)
+        ]
+        if changed:
+            raise ConfigError(
+                f"cannot resume {path} bit for bit: it was written with other kernels "
+                f"({'; '.join(changed)}): resume where it was written, or start afresh "
+                "(ckpt.resume=never); repro.world_invariant=false resumes without the promise"
+            )
 
     def _non_finite(self) -> list[str]:
         """What of the loaded model and optimizer state holds NaN/inf (this rank's part): a
@@ -400,6 +418,7 @@ class Checkpointer:
                 "time": time.time(),
                 "results": results.to_dict(),
                 "versions": metrics.versions(),
+                "kernels": repro.kernel_set(self.world.device),
             },
             "config_yaml": to_yaml(self.cfg),
         }
