@@ -113,7 +113,9 @@ def test_training_services_share_memory_limits_and_sandbox(service, profile):
 
 
 def run_dirs() -> dict[str, str]:
-    """Each training service's run_dir, as its trainer resolves it (default: runs/${name})."""
+    """Each training service's run_dir, as its trainer resolves it under trainer-launch (which
+    marks its ranks: no run_dir means runs/<name>, so a restarted container resumes)."""
+    from trainer import rundir
     from trainer.config import load
 
     services = compose_config("cpu", "two-node")["services"]
@@ -122,7 +124,10 @@ def run_dirs() -> dict[str, str]:
         if name == "tensorboard":
             continue
         args = split_command([], _container_env(s)).trainer_args[1:]
-        out[name] = load(None, list(args)).run_dir
+        cfg = load(None, list(args))
+        out[name] = rundir.resolve(
+            cfg.name, cfg.run_dir, claim=False, environ={rundir.STABLE_ENV: "1"}
+        )
     return out
 
 

@@ -14,7 +14,7 @@ def test_defaults_are_the_digits_mlp_preset():
     cfg = config.load()
     assert cfg.name == "digits-mlp"
     assert cfg.data.name == "digits" and cfg.model.name == "mlp"
-    assert cfg.run_dir == "runs/digits-mlp"  # ${name} resolved
+    assert cfg.run_dir is None  # a new folder runs/<name>/<date-time> per run (trainer.rundir)
 
 
 def test_precedence_preset_then_file_then_cli(tmp_path):
@@ -25,7 +25,7 @@ def test_precedence_preset_then_file_then_cli(tmp_path):
     assert cfg.optim.lr == 0.05  # file beats preset
     assert cfg.train.epochs == 7  # CLI beats file
     assert cfg.data.global_batch_size == 32
-    assert cfg.run_dir == "runs/mine"
+    assert cfg.name == "mine" and cfg.run_dir is None
 
 
 def test_named_preset_and_run_dir_round_trip(tmp_path):

@@ -17,6 +17,9 @@ EXIT_CODES = """exit codes:
   4  transient failure (peer lost, timeout, I/O); a retry may succeed"""
 
 
+NEWEST = "\0newest"
+"""--resume without RUN_DIR (argparse's const: not a path anyone can type)."""
+
 COMMANDS = ("train", "eval", "export", "doctor", "config", "report")
 """The subcommands (trainer-launch runs `train` under torchrun and the others once)."""
 
@@ -72,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
         dest="from_run",
         metavar="RUN_DIR",
         help="re-run RUN_DIR's exact config.yaml into RUN_DIR/rerun (run_dir=... to change)",
+    )
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const=NEWEST,
+        metavar="RUN_DIR",
+        help="continue a run from its newest checkpoint, with its config.yaml (key=value on top): "
+        "RUN_DIR, or without it the newest run of runs/<name>/. Without --resume every "
+        "`trainer train` starts a new folder, runs/<name>/<date-time>, unless run_dir= pins one",
     )
     p.set_defaults(func=_cmd_train)
 
@@ -139,6 +151,8 @@ def load_config(args):
     from trainer import config
 
     overrides = args.overrides
+    if getattr(args, "resume", None):
+        return _resume_config(args)
     if getattr(args, "from_run", None):
         if args.config:
             raise UsageError("use --from RUN_DIR or --config, not both")
@@ -149,6 +163,34 @@ def load_config(args):
         args.config = args.from_run
         overrides = [f"run_dir={os.path.join(args.from_run, 'rerun')}", *overrides]
     return config.load(args.config, overrides)
+
+
+def _resume_config(args):
+    """`--resume [RUN_DIR]`: that run's config.yaml (or --config's), key=value on top, its folder."""
+    from trainer import config, rundir
+
+    if args.from_run:
+        raise UsageError("use --resume or --from RUN_DIR, not both")
+    run_dir = args.resume
+    if run_dir != NEWEST and "=" in run_dir and not os.path.isdir(run_dir):
+        args.overrides = [run_dir, *args.overrides]  # `--resume key=value`: argparse took it
+        run_dir = NEWEST
+    if run_dir == NEWEST:
+        named = config.load(args.config, args.overrides)
+        run_dir = named.run_dir or rundir.newest(named.name)  # pinned, or the newest
+    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise UsageError(
+            f"--resume {run_dir}: no config.yaml there (is it a run folder? `ls runs/*/`)"
+        )
+    cfg = config.load(args.config or run_dir, [*args.overrides, f"run_dir={run_dir}"])
+    if cfg.ckpt.resume == "never":
+        raise UsageError("--resume with ckpt.resume=never: drop one of them")
+    from trainer.checkpoint import store
+    from trainer.checkpoint.manager import checkpoint_dir
+
+    if _is_rank0() and not store.list_checkpoints(checkpoint_dir(cfg)):
+        print(f"note: --resume {run_dir}: no checkpoint there yet, so it trains from step 0")
+    return cfg
 
 
 def _cmd_train(args) -> int:

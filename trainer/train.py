@@ -10,6 +10,8 @@ One process of a job. Launch it any of these ways; all end in this same code:
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -17,7 +19,7 @@ import time
 
 import torch
 
-from trainer import dryrun, loop, metrics, ranks, repro, strategy
+from trainer import dryrun, loop, metrics, ranks, repro, rundir, strategy
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict, to_yaml
 from trainer.errors import io_error
@@ -48,9 +50,17 @@ def train(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None)
 
 def _train(cfg, world, how, stop, started, dry_run) -> dict:
     with ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group):
+        chosen_here = not cfg.run_dir
+        if chosen_here:  # a new folder per run (or the launcher's): rank 0 decides for all
+            chosen = rundir.resolve(cfg.name, None, claim=not dry_run) if world.is_main else None
+            cfg = dataclasses.replace(cfg, run_dir=ranks.broadcast_object(chosen))
         run = build(cfg, world, how, stop, started)
         if dry_run:
-            return dryrun.check(run)
+            checked = dryrun.check(run)
+            if world.is_main and chosen_here:  # leave no empty folder of a run that never ran
+                with contextlib.suppress(OSError):
+                    os.removedirs(cfg.run_dir)  # relative: runs/<name>/<stamp>, no higher
+            return checked
         previous = finished_summary(run)
         if previous is not None:
             return previous
@@ -71,7 +81,7 @@ def finished_summary(run: Run) -> dict | None:
             summary = json.load(f)
         run.log.info(
             f"{run.run_dir} is already complete (step {run.state.step}/{run.total_steps}); "
-            "nothing to do. To train again: ckpt.resume=never, or a new run_dir"
+            "nothing to do. To train again: leave run_dir out (a new folder), or ckpt.resume=never"
         )
     return ranks.broadcast_object(summary)
 
@@ -85,7 +95,7 @@ def record_start(run: Run) -> dict:
             os.makedirs(run.run_dir, exist_ok=True)
             with open(os.path.join(run.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
                 f.write(to_yaml(run.cfg))
-            run_json = {**record, "started": run.started}
+            run_json = {**record, "started": run.started, "resumes": _resumes(run)}
             metrics.write_json(os.path.join(run.run_dir, "run.json"), run_json)
         except OSError as e:
             raise io_error(
@@ -94,7 +104,23 @@ def record_start(run: Run) -> dict:
     resume_step = run.state.step or None
     run.log.open(run.run_dir, resume_step=resume_step, tensorboard=run.cfg.log.tensorboard)
     run.log.info(run.banner())
+    if run.ckpt.resumed_with:
+        change = {"kind": "resume", "step": run.state.step, "changes": run.ckpt.resumed_with}
+        run.log.record(change, console=False)
     return record
+
+
+def _resumes(run: Run) -> list[dict]:
+    """run.json's history of resumes that changed the schedule (earlier ones kept)."""
+    earlier = []
+    try:
+        with open(os.path.join(run.run_dir, "run.json"), encoding="utf-8") as f:
+            earlier = json.load(f).get("resumes") or []
+    except (OSError, ValueError, AttributeError):
+        earlier = []
+    if run.ckpt.resumed_with:
+        earlier = [*earlier, {"step": run.state.step, "changes": run.ckpt.resumed_with}]
+    return earlier
 
 
 def _run_record(run: Run, hosts: list | None) -> dict:
@@ -113,6 +139,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "argv": sys.argv,
         "data": run.data.source,
         "kernels": repro.kernel_set(w.device),
+        "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
     }
 
 

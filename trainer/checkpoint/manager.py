@@ -89,6 +89,17 @@ class CheckpointWriteError(RetryableError):
 WRITABLE_FIX = "point ckpt.dir (default <run_dir>/checkpoints) at writable storage"
 
 
+SCHEDULE_KEYS = ("train.epochs", "train.max_steps")
+"""Keys a resume may change that move the run's last step, and with it the lr schedule (a
+function of the step and the total): said in one line and recorded, never silent."""
+
+
+def schedule_changes(saved: dict, current: dict) -> dict[str, list]:
+    """{key: [saved, current]} for the SCHEDULE_KEYS a resume changes."""
+    a, b = flatten(saved), flatten(current)
+    return {k: [a.get(k), b.get(k)] for k in SCHEDULE_KEYS if a.get(k) != b.get(k)}
+
+
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """'key: saved -> current' for every change a resume cannot honour exactly."""
     a, b = flatten(saved), flatten(current)
@@ -144,6 +155,8 @@ class Checkpointer:
         self.root = checkpoint_dir(cfg)
         self.last_saved_step: int | None = None
         self.failures = 0
+        self.resumed_with: dict[str, list] = {}
+        """The schedule-shaping keys the resume changed (SCHEDULE_KEYS): {key: [saved, now]}."""
 
     # --- restore -----------------------------------------------------------------------------
 
@@ -236,6 +249,7 @@ class Checkpointer:
             )
         saved_cfg = OmegaConf.to_container(saved_cfg)
         conflicts = config_conflicts(saved_cfg, to_dict(self.cfg))
+        self.resumed_with = schedule_changes(saved_cfg, to_dict(self.cfg))
         if conflicts:
             raise ConfigError(
                 f"cannot resume {path}: the config changed ({'; '.join(conflicts[:4])}); "
@@ -271,6 +285,13 @@ class Checkpointer:
             f"resumed from {path} (step {state.step}, epoch {state.epoch}, "
             f"step {state.step_in_epoch} of the epoch){note}"
         )
+        if self.resumed_with:
+            changes = ", ".join(f"{k} {a} -> {b}" for k, (a, b) in self.resumed_with.items())
+            self.log.info(
+                f"resume changes {changes}: the run now ends at another step, and the lr "
+                f"schedule (sched.name={self.cfg.sched.name}) is recomputed for the new length "
+                "from here on (recorded in run.json and metrics.jsonl)"
+            )
         self.last_saved_step = state.step
         return state, Results.from_dict(meta.get("results", {}))
 

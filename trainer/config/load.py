@@ -152,6 +152,9 @@ def _layer_for(config: str | None, seen: tuple[str, ...] = ()):
                 "directory): give a run directory, a YAML file or a preset name"
             )
         config = os.path.join(config, "config.yaml")  # a run directory: re-run it
+        run_dir_config = True
+    else:
+        run_dir_config = False
     if not os.path.isfile(config):
         raise UsageError(
             f"--config: '{config}' is neither a preset{did_you_mean(config, names)} nor a YAML file; "
@@ -160,6 +163,8 @@ def _layer_for(config: str | None, seen: tuple[str, ...] = ()):
     if os.path.realpath(config) in seen:
         raise UsageError(f"{config}: `preset:` includes itself (a cycle): remove that line")
     node = _read_yaml(_read_file(config), config)
+    if run_dir_config:  # its own folder is where it ran: a re-run gets a new one (or run_dir=)
+        node.pop("run_dir", None)
     layers = []
     base = node.pop("preset", None)  # a user file may build on a preset: `preset: digits-lenet`
     if base is not None:

@@ -109,7 +109,7 @@ PATHS = frozenset(
     {"name", "run_dir", "data.root", "data.text.path", "ckpt.dir", "ckpt.resume"}
     | {"ckpt.init_weights"}
 )
-"""String fields that become file or folder paths (name: the default run_dir is runs/<name>):
+"""String fields that become file or folder paths (name: runs go to runs/<name>/):
 checked against what every Linux file system refuses, so `config check` says what `train` would."""
 
 NAME_MAX = 255
@@ -182,7 +182,7 @@ def check_fields(obj: Any, prefix: str) -> None:
         if isinstance(value, str) and key in NONEMPTY and not value.strip():
             raise UsageError(f"{key}: must not be empty; e.g. {example(key)}")
         if isinstance(value, str) and key in PATHS and (problem := path_problem(value)):
-            what = "the run's folder name (runs/<name>)" if key == "name" else "a path"
+            what = "the run's folder name (runs/<name>/)" if key == "name" else "a path"
             raise UsageError(f"{key}: {what} {problem}")
         values = value if isinstance(value, list) else [value]
         for v in values:

@@ -343,9 +343,12 @@ class ReproConfig:
 @dataclass(kw_only=True)
 class Config:
     name: str = DEFAULT_PRESET
-    """Run name; the default run_dir is runs/<name>."""
-    run_dir: str = "runs/${name}"
-    """Where config.yaml, metrics.jsonl, summary.json and final/ are written."""
+    """Run name: runs go to runs/<name>/."""
+    run_dir: str | None = None
+    """Where config.yaml, metrics.jsonl, checkpoints/, summary.json and final/ are written.
+    null: a new folder runs/<name>/<YYYYmmdd-HHMMSS> for each `trainer train` (`--resume`
+    continues the newest); under trainer-launch (compose, Kubernetes) runs/<name>, so a restarted
+    pod resumes. A path: that folder, resumed on its own when it holds checkpoints."""
     seed: int = 0
     """Seeds model init and the data order; same seed + same global batch = same numbers."""
     data: DataConfig = field(default_factory=DataConfig)

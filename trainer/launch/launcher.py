@@ -340,6 +340,9 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
     env = {k: v for k, v in os.environ.items() if k not in plan.unset}
     env.update(plan.env)
     env[STATUS_DIR_ENV] = status_dir
+    from trainer.rundir import STABLE_ENV
+
+    env.setdefault(STABLE_ENV, "1")  # no run_dir: runs/<name>, so a restarted pod resumes
     out = StderrFilter(sys.stderr)
     try:
         # A session of its own: a terminal's Ctrl-C reaches torchrun once (from us), not twice.
