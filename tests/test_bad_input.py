@@ -624,24 +624,31 @@ TORCHRUN_TAIL = [
 ]
 
 
-@pytest.mark.parametrize("message", [True, False])
-def test_the_launchers_stderr_filter(message):
+def filtered(raws: list[bytes], line: str | None) -> list[str]:
+    """What trainer-launch's StderrFilter prints for torchrun's stderr `raws`, finished with
+    the ranks' one line (or None: no rank left one)."""
     from trainer.launch import StderrFilter
 
     out = io.BytesIO()
     stream = io.TextIOWrapper(out, encoding="utf-8")
     f = StderrFilter(stream)
-    for raw in [
+    for raw in raws:
+        f.feed(raw)
+    f.finish(line)
+    stream.flush()
+    return out.getvalue().decode().splitlines()
+
+
+@pytest.mark.parametrize("message", [True, False])
+def test_the_launchers_stderr_filter(message):
+    raws = [
         b"epoch 1 step 3 loss 0.5\n",
         b"trainer: error: [rank 1] data.root: no such folder\n",
         b"trainer: error: data.root: no such folder\n",
         b"trainer: error: [rank 3] disk full on /tmp\n",
         *TORCHRUN_TAIL,
-    ]:
-        f.feed(raw)
-    f.finish("trainer: error: data.root: no such folder" if message else None)
-    stream.flush()
-    lines = out.getvalue().decode().splitlines()
+    ]
+    lines = filtered(raws, "trainer: error: data.root: no such folder" if message else None)
     if message:  # the line last, once; a different rank's line kept; torchrun's report dropped
         assert lines == [
             "epoch 1 step 3 loss 0.5",
@@ -670,17 +677,10 @@ TORCHRUN_SIGTERM = [
 @pytest.mark.parametrize("message", [True, False])
 def test_the_launchers_stderr_filter_after_a_sigterm(message):
     from tests.test_noise import NOISE
-    from trainer.launch import StderrFilter
 
-    out = io.BytesIO()
-    stream = io.TextIOWrapper(out, encoding="utf-8")
-    f = StderrFilter(stream)
-    for raw in [*NOISE, b"epoch 1 step 3 loss 0.5\n", *TORCHRUN_SIGTERM]:
-        f.feed(raw)
     stop = "trainer: error: stopped by SIGTERM at step 9; checkpoint step-9 saved: rerun ..."
-    f.finish(stop if message else None)
-    stream.flush()
-    lines = out.getvalue().decode().splitlines()
+    raws = [*NOISE, b"epoch 1 step 3 loss 0.5\n", *TORCHRUN_SIGTERM]
+    lines = filtered(raws, stop if message else None)
     kept = ["epoch 1 step 3 loss 0.5", "[rank1]: a worker's own line while it saves"]
     if message:  # exit 3 with a checkpoint: the ranks' line, no SignalException traceback
         assert lines == [*kept, stop]

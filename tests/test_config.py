@@ -129,11 +129,15 @@ def test_help_does_not_import_torch():
         "bad = [m for m in ('torch', 'omegaconf', 'numpy') if m in sys.modules]\n"
         "assert not bad, bad\n"
     )
-    p = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
-    )
+    p = _python(code)
     assert p.returncode == 0, p.stderr
     assert "train" in p.stdout and "exit codes" in p.stdout
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
+    )
 
 
 def test_importing_the_package_does_no_work():
@@ -260,7 +264,5 @@ def test_a_closed_pipe_ends_the_command_quietly():
         "from trainer import cli\n"
         "sys.exit(cli.main(['config', 'explain', 'optim']))\n"
     )
-    p = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env(), cwd=ROOT
-    )
+    p = _python(code)
     assert (p.returncode, p.stderr) == (141, "")
