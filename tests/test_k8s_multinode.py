@@ -105,7 +105,7 @@ class Cluster:
 
         args = self.argv[0]
         cfg = config.load(args[args.index("--config") + 1], [])
-        return self.workspace / cfg.run_dir
+        return self.workspace / _run_dir_under_trainer_launch(cfg)
 
     def start(self, i: int) -> None:
         self.starts[i] += 1
@@ -202,6 +202,7 @@ def reference(tmp_path_factory):
             "train",
             "--config",
             str(config_file),
+            f"run_dir={folder / 'reference'}",
         ],
         env=env(),
         cwd=folder,
@@ -210,11 +211,16 @@ def reference(tmp_path_factory):
         timeout=TIMEOUT,
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
-    from trainer import config
-
-    run_dir = folder / config.load(str(config_file), []).run_dir
+    run_dir = folder / "reference"
     print(f"local 2-process run: {time.monotonic() - started:.1f} s")
     return run_dir
+
+
+def _run_dir_under_trainer_launch(cfg) -> str:
+    """Where the pods' ranks write: trainer-launch marks them, so no run_dir means runs/<name>."""
+    from trainer import rundir
+
+    return rundir.resolve(cfg.name, cfg.run_dir, claim=False, environ={rundir.STABLE_ENV: "1"})
 
 
 def _assert_same_weights(run_dir: Path, reference_dir: Path) -> float:

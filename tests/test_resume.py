@@ -186,9 +186,9 @@ def test_signal_in_a_single_process_exits_3_after_a_checkpoint(tmp_path, sig):
 def test_a_signal_during_setup_exits_3_without_a_traceback(tmp_path):
     run_dir = tmp_path / "run"
     proc = spawn("train", *BASE, f"run_dir={run_dir}")
-    import time
-
-    time.sleep(0.5)  # still importing torch and building the job
+    # As soon as the trainer handles SIGTERM (installed before the heavy imports): still
+    # importing torch and building the job. A fixed 0.5 s sleep raced the start-up under load.
+    wait_for(lambda: _catches(proc.pid, signal.SIGTERM), 60, "the SIGTERM handler", proc)
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, out[-2000:]
@@ -211,3 +211,13 @@ def test_a_second_signal_exits_at_once(tmp_path):
     proc.communicate(timeout=3)  # well before step 2 ends, 8 s after it began
     assert proc.returncode == -signal.SIGTERM
     assert checkpoints(run_dir) == []
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process `pid` has a handler for `sig` (the SigCgt mask of /proc/PID/status)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            caught = next(line for line in f if line.startswith("SigCgt:")).split()[1]
+    except (OSError, StopIteration):
+        return False
+    return bool(int(caught, 16) >> (sig - 1) & 1)

@@ -10,6 +10,8 @@ import resource
 import shutil
 from collections.abc import Callable, Mapping
 
+from trainer import rundir
+
 GIB = 2**30
 SHM_MIN = 1 * GIB
 
@@ -192,7 +194,8 @@ def run(load: Callable, environ: Mapping[str, str] | None = None) -> list[Check]
     cfg, config_checks = check_config(load)
     checks += config_checks
     if cfg is not None:
-        checks += [check_data(cfg), check_run_dir(cfg.run_dir)]
+        # No run_dir: each run gets a new folder under runs/<name>/ (trainer.rundir).
+        checks += [check_data(cfg), check_run_dir(cfg.run_dir or rundir.runs_of(cfg.name))]
     return checks
 
 
