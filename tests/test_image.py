@@ -425,7 +425,7 @@ def test_sigterm_to_a_compose_service_checkpoints_exits_3_and_up_resumes(
     try:
         p("--profile", "cpu", "up", "--no-build", "--detach", "cpu", **args)
         deadline = time.monotonic() + 300
-        while not re.search(r"^step \d+/\d+ .* elapsed, ETA", log := p.logs("cpu"), re.M):
+        while not re.search(r"^step [\d,]+/[\d,]+ .* elapsed, ETA", log := p.logs("cpu"), re.M):
             assert time.monotonic() < deadline and "exited" not in p("ps", "-a", "cpu").stdout, log
             time.sleep(0.5)
         # From inside the running container: who it runs as and what it may touch.

@@ -34,6 +34,8 @@ NOISE = [
     b"to host 127.0.0.1:29555 - timed out (try=1, timeout=5000ms): The client socket has timed "
     b"out after 5000ms while trying to connect to (127.0.0.1, 29555).\n",
     *FRAMES,
+    b"[W1125 09:03:34.576187693 socket.cpp:207] [c10d] The hostname of the client socket cannot "
+    b"be retrieved. err=-3\n",  # a container without reverse DNS (test-image's compose run)
 ]
 """Lines captured from a rank that could not reach MASTER_ADDR (torch 2.14.1)."""
 

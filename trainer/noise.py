@@ -24,6 +24,7 @@ _C10D = re.compile(
     rb"The IPv6 network addresses of \(.*\) cannot be retrieved"
     rb"|The client socket has (?:timed out after|failed to connect to)"
     rb"|TCP client failed to connect/validate to host"
+    rb"|The hostname of the client socket cannot be retrieved"
     rb")"
 )
 """c10d's TCP store client retrying: the lines known to say nothing the final error does not."""
