@@ -171,6 +171,12 @@ def check_choice(key: str, value: str, choices) -> None:
         )
 
 
+def shorten(text: str, limit: int = 60) -> str:
+    """`text`, or its start and its length when longer than `limit`: a value in a one-line
+    error must not be the whole line (a 100,000-character name, a 5,000-digit number)."""
+    return text if len(text) <= limit else f"{text[:40]}... ({len(text):,} characters)"
+
+
 def first_line(e: BaseException) -> str:
     """The first line of an exception's message (its type name when the message is empty)."""
     text = str(e).strip()

@@ -93,7 +93,7 @@ def fit(run: Run) -> None:
             state.step += 1
             state.step_in_epoch += 1
             state.samples_seen += count
-            run.log.tick(state.step, state.epoch + 1)
+            run.log.tick(state.step, epoch_of(state))
             if should_log(cfg.log.every_steps, state.step, run.total_steps):
                 vote.every = _log_train(run, losses, clock)
             if should_eval(cfg.train, step=state.step):

@@ -248,8 +248,9 @@ class Checkpointer:
                 f"config.yaml holds a {type(saved_cfg).__name__}, not a config mapping"
             )
         saved_cfg = OmegaConf.to_container(saved_cfg)
-        conflicts = config_conflicts(saved_cfg, to_dict(self.cfg))
-        self.resumed_with = schedule_changes(saved_cfg, to_dict(self.cfg))
+        current = to_dict(self.cfg)
+        conflicts = config_conflicts(saved_cfg, current)
+        self.resumed_with = schedule_changes(saved_cfg, current)
         if conflicts:
             raise ConfigError(
                 f"cannot resume {path}: the config changed ({'; '.join(conflicts[:4])}); "

@@ -11,7 +11,7 @@ from importlib import resources
 from trainer.config.ranges import example, range_hint
 from trainer.config.schema import DEFAULT_PRESET, Config
 from trainer.config.schema import fields as schema_fields
-from trainer.errors import ConfigError, UsageError, did_you_mean, first_line
+from trainer.errors import ConfigError, UsageError, did_you_mean, first_line, shorten
 
 
 def presets() -> list[str]:
@@ -57,6 +57,11 @@ _ALIAS = re.compile(r"(?:^|[\s\[{,:])\*[^\s,\]}]")
 """A YAML alias (`*name`) in a value position."""
 
 
+def _past_digit_limit(e: BaseException) -> bool:
+    """Python refused to make an int of more than 4,300 digits (sys.get_int_max_str_digits)."""
+    return "integer string conversion" in str(e)
+
+
 def _parse_limit(e: BaseException, source: str, source_text: str = "") -> UsageError:
     """A one-line error for a YAML file that does not parse, or is past a parser's limits: nesting (the parsers recurse
     per level), aliases that expand past OmegaConf's node limit (a "billion laughs" file),
@@ -84,7 +89,7 @@ def _parse_limit(e: BaseException, source: str, source_text: str = "") -> UsageE
             f"{source}: a YAML alias (*name) refers to the mapping or list it is in, which never "
             "ends: write the values out"
         )
-    if "integer string conversion" in text:
+    if _past_digit_limit(e):
         return UsageError(
             f"{source}: holds an integer of more than 4,300 digits, which no config key takes: "
             "fix that value"
@@ -101,7 +106,7 @@ def _yaml_kind(text: str) -> str:
     except yaml.YAMLError:
         return "?"
     except ValueError as e:  # past a limit of the parser's (a huge integer): the caller says
-        if "integer string conversion" in str(e):
+        if _past_digit_limit(e):
             raise
         return "?"
     if value is None:
@@ -245,14 +250,13 @@ def _cli_layer(overrides: list[str]):
             items.append(OmegaConf.from_dotlist([item]))
         except Exception as e:
             key, _, value = item.partition("=")
-            if "integer string conversion" in str(e):
+            if _past_digit_limit(e):
                 raise UsageError(
                     f"command line: {key}: an integer of more than 4,300 digits, which no config "
                     "key takes: fix that value"
                 ) from None
-            shown = value if len(value) <= 60 else f"{value[:40]}... ({len(value):,} characters)"
             raise UsageError(
-                f"command line: {key}: cannot parse '{shown}' "
+                f"command line: {key}: cannot parse '{shorten(value)}' "
                 f"({first_line(e)}); quote lists like {key}=[1,2] and strings with spaces"
             ) from None
     return [(f"command line: {item}", layer) for item, layer in zip(overrides, items, strict=True)]

@@ -8,7 +8,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.errors import UsageError
+from trainer.errors import UsageError, shorten
 
 MAX_SEED = 2**63 - 1
 """Seeds go to torch.manual_seed and numpy's SeedSequence: non-negative 64-bit integers."""
@@ -139,10 +139,9 @@ def _number_text(value) -> str:
     """repr of a number or a list of them, short: Python refuses str() of an int over 4,300
     digits, and a line should not hold one."""
     try:
-        text = repr(value)
+        return shorten(repr(value))
     except ValueError:  # int too long for str()
         return "an integer of more than 4,300 digits"
-    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
 
 
 def _shown(raw: bytes) -> str:
