@@ -123,8 +123,10 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
 
 def _signal_one_rank(tmp_path, steps: int, *overrides) -> tuple[int, int]:
     """A 2-rank run; after `steps` logged steps, SIGTERM to one rank only (rank 0 must learn it
-    from the vote). Both ranks exit 3 with a signal checkpoint; returns (the last step logged
-    before the signal, the step the checkpoint holds)."""
+    from the vote). Both ranks exit 3 with a signal checkpoint; returns (the step the signal
+    landed in, as the signalled rank noticed it, the step the checkpoint holds). The ranks'
+    own step, not the test's reading of metrics.jsonl: that lags by however long this process
+    waits for a core (19 steps of 20 ms once in CI)."""
     run_dir, status = tmp_path / "run", tmp_path / "status"
     status.mkdir()
     proc = spawn(
@@ -147,28 +149,27 @@ def _signal_one_rank(tmp_path, steps: int, *overrides) -> tuple[int, int]:
     newest = checkpoints(run_dir)[-1]
     meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
     assert meta["reason"] == "signal SIGTERM"
-    return logged, meta["loop"]["step"]
+    (stop,) = [r for r in read_jsonl(metrics) if r["kind"] == "stop"]
+    assert stop["signal"] == "SIGTERM" and stop["step"] == meta["loop"]["step"], stop
+    assert stop["noticed"] > logged, (stop, logged)  # sent after step `logged` was recorded
+    return stop["noticed"], stop["step"]
 
 
-@pytest.mark.slow
-@pytest.mark.serial  # a bound in time: alone on the machine
+@pytest.mark.slow  # a bound in steps the ranks count themselves: load cannot break it
 def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
     """The stop vote runs in the background: a signal that lands in step k stops every rank
     after step k+1 (README: the bound), with one checkpoint and exit 3 on both ranks."""
     # Half a second per step: the step in progress is known, and a vote is posted every step.
-    logged, stopped = _signal_one_rank(tmp_path, 3, "model.kwargs.delay=0.5")
-    # The signal landed in step logged+1 (steps take 0.5 s; the log line follows each step).
-    assert logged + 1 <= stopped <= logged + 2, (logged, stopped)
+    noticed, stopped = _signal_one_rank(tmp_path, 3, "model.kwargs.delay=0.5")
+    assert stopped == noticed + 1, (noticed, stopped)
 
 
-@pytest.mark.slow
-@pytest.mark.serial  # a bound in time: alone on the machine
+@pytest.mark.slow  # a bound in steps the ranks count themselves: load cannot break it
 def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_second(tmp_path):
     """Votes every ~0.2 s of steps (signals.StopVote.cadence): at 20 ms a step, every 10 steps at
     most, so a signal in step k stops both ranks together by step k + 10."""
-    logged, stopped = _signal_one_rank(tmp_path, 40, "model.kwargs.delay=0.02", "train.epochs=20")
-    # The signal landed in step logged+1 or +2 (the log line follows each step).
-    assert logged + 1 <= stopped <= logged + 2 + 10, (logged, stopped)
+    noticed, stopped = _signal_one_rank(tmp_path, 40, "model.kwargs.delay=0.02", "train.epochs=20")
+    assert noticed + 1 <= stopped <= noticed + 10, (noticed, stopped)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

@@ -240,6 +240,8 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
     if run.ckpt.last_saved_step == step:  # e.g. signalled during setup: nothing new to save
         raise Preempted(f"stopped by {name} at step {step} before training on")
     path = _save(run, clock, f"signal {name}", must_succeed=True)
+    # The step the signal landed in (its rank's next step boundary): how long the stop took.
+    run.log.record({"kind": "stop", "step": step, "signal": name, "noticed": run.stop.noticed_step})
     raise Preempted(
         f"stopped by {name} at step {step}; checkpoint {path} saved: rerun the same command to "
         "resume"

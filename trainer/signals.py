@@ -25,6 +25,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PERIOD_S = 0.2
 """Seconds of training between stop votes (StopVote.cadence)."""
 MAX_EVERY = 1000
+NEVER = 2**62
+"""A vote's step for 'no signal seen' (StopSignal._flag)."""
 
 
 class StopSignal:
@@ -68,21 +70,38 @@ class StopSignal:
 
     agreed_signum: int | None = None
     """Set when a vote says stop: the largest signal number any rank received."""
+    noticed_step: int | None = None
+    """The step boundary at which this rank first saw its signal (StopVote.poll), and after a
+    vote says stop, the earliest such step over the ranks: the signal landed in that step."""
+
+    def _flag(self, step: int | None = None):
+        """This rank's vote at step boundary `step`: [signal number or 0, minus the step it
+        noticed the signal at (or minus NEVER)]; a MAX over the ranks gives the largest signal
+        and the earliest step. One read of the signal for both (it may land at any moment)."""
+        import torch
+
+        signum = self.signum or 0
+        if signum and self.noticed_step is None and step is not None:
+            self.noticed_step = step
+        noticed = NEVER if self.noticed_step is None else self.noticed_step
+        return torch.tensor([signum, -noticed], dtype=torch.int64)
 
     def agreed(self, group=None) -> bool:
         """True on every rank if any rank was signalled (a collective: call on all ranks)."""
-        import torch
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
             return self.requested
-        flag = torch.tensor([self.signum or 0], dtype=torch.int32)
+        flag = self._flag()
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        return self._outcome(int(flag.item()))
+        return self._outcome(flag)
 
-    def _outcome(self, signum: int) -> bool:
+    def _outcome(self, flag) -> bool:
+        signum, minus_noticed = (int(v) for v in flag.tolist())
         if signum:
             self.agreed_signum = signum
+            if -minus_noticed != NEVER:
+                self.noticed_step = -minus_noticed
         return bool(signum)
 
 
@@ -110,14 +129,15 @@ class StopVote:
         return max(1, min(MAX_EVERY, math.ceil(PERIOD_S / seconds_per_step)))
 
     def poll(self, step: int) -> bool:
+        if self.stop.requested and self.stop.noticed_step is None:
+            self.stop.noticed_step = step
         if self.group is None:  # one process (ranks.stop_group() exists only for several)
             return self.stop.requested
-        import torch
         import torch.distributed as dist
 
         agreed = self.finish()
         if not agreed and step % self.every == 0:
-            flag = torch.tensor([self.stop.signum or 0], dtype=torch.int32)
+            flag = self.stop._flag(step)
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (work, flag)
         return agreed
@@ -129,4 +149,4 @@ class StopVote:
         work, flag = self._pending
         self._pending = None
         work.wait()
-        return self.stop._outcome(int(flag.item()))
+        return self.stop._outcome(flag)
