@@ -1,56 +1,53 @@
-"""Shared, session-scoped reference runs (each launched once, compared against by many tests),
-and how the suite runs on two workers (`make test`: pytest-xdist, `-n 2 --dist loadgroup`).
+"""Shared reference runs (each launched once per session, compared against by many tests), and
+how the suite runs on several workers (`make test`: pytest-xdist, `--dist loadgroup`).
 
-Two workers: most tests wait on real processes (startup, rendezvous, restarts) and leave a core
-idle. Tests that share a module- or session-scoped run stay on one worker (an xdist_group), so
-the run is made once. Tests marked `serial` measure a bound in time (how soon a signal stops the
-ranks): `make test` runs them in a second pass of their own, without workers.
+Several workers: most tests wait on real processes (startup, rendezvous, restarts) and leave a
+core idle. A run that many tests compare against is made once for the whole session, whichever
+worker asks first (helpers.shared_run: a folder per run under the session's temp root, made under a
+file lock); the others wait for it, so those tests need not share a worker. Tests that use
+another module-scoped fixture stay on one worker (an xdist_group). Tests marked `serial` measure
+a bound in time: `make test` runs them in a second pass of their own, without workers.
 """
 
 import re
+from pathlib import Path
 
 import pytest
 
-from tests.helpers import REFERENCE, trainer
+from tests.helpers import REFERENCE, shared_run, trainer
 
 
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
     """reference_runs(world, *extra) -> the run dir of an uninterrupted run, launched on first use."""
-    cache = {}
 
     def get(world: int, *extra: str):
-        key = (world, extra)
-        if key not in cache:
-            run_dir = tmp_path_factory.mktemp(f"ref-w{world}") / "run"
+        def make(folder: Path) -> None:
             trainer(
                 "train",
                 *REFERENCE,
                 "model.kwargs.delay=0",
                 *extra,
-                f"run_dir={run_dir}",
+                f"run_dir={folder / 'run'}",
                 nproc=None if world == 1 else world,
             )
-            cache[key] = run_dir
-        return cache[key]
+
+        return shared_run(tmp_path_factory, f"reference {world} {extra!r}", make) / "run"
 
     return get
 
 
-_OWN_FIXTURES = ("reference_runs",)
-"""Session-scoped fixtures of this suite (not pytest's, like tmp_path_factory): a run they make
-is shared by tests in several files, which therefore share one worker."""
+SHARED = ("reference_runs", "runs")
+"""Fixtures whose runs any worker can reuse (shared_run): no worker group for their tests."""
 
 
 def _xdist_group(item) -> str | None:
-    """The worker group of a test that uses a shared run: the session's, else its module's."""
+    """The worker group of a test that uses another module-scoped fixture: its module's."""
     defs = getattr(item, "_fixtureinfo", None)
     if defs is None:
         return None
     scopes = {name: d[-1].scope for name, d in defs.name2fixturedefs.items() if d}
-    if any(name in _OWN_FIXTURES for name in scopes):
-        return "session-runs"
-    own = [n for n, s in scopes.items() if s == "module"]
+    own = [n for n, s in scopes.items() if s == "module" and n not in SHARED]
     return item.module.__name__ if own else None
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -334,3 +338,23 @@ def nan_model(num_classes, in_shape):
     with torch.no_grad():
         model[-1].bias.fill_(float("nan"))
     return model
+
+
+def shared_run(tmp_path_factory, key: str, make: Callable[[Path], None]) -> Path:
+    """The folder of run `key`, made once per session by `make(folder)`: on first use by any
+    worker, which holds the run's lock while it trains; the others wait and reuse it. A run
+    whose maker failed (or died) is made again by the next test that asks."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, above each worker's own
+    folder = root / "shared-runs" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    folder.parent.mkdir(exist_ok=True)
+    with open(f"{folder}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        if not (folder / ".made").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            (folder / "key.txt").write_text(key)
+            make(folder)
+            (folder / ".made").touch()
+    return folder

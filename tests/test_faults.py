@@ -28,11 +28,11 @@ TINY = [
     "train.epochs=2",
     "log.progress=none",
 ]
-KILLS = 10
+KILLS = 4  # two per rank: each kill lands in a restarted group, as the first did
 
 
 @pytest.mark.slow
-def test_ten_sigkills_under_max_restarts_all_recover_with_identical_weights(tmp_path):
+def test_repeated_sigkills_under_max_restarts_all_recover_with_identical_weights(tmp_path):
     reference = tmp_path / "reference"
     trainer(
         "train", *RESTART, "model.kwargs.delay=0", f"run_dir={reference}", nproc=2, torchrun=False

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import env
+from tests.helpers import env, wait_for
 from trainer import launch
 from trainer.errors import UsageError
 from trainer.launch import Command, Route, exit_code, make_plan, split_command
@@ -596,10 +596,8 @@ def test_sigterm_is_forwarded_and_everything_stops(tmp_path):
             stderr=subprocess.STDOUT,
         )
     try:
-        deadline = time.monotonic() + 120
-        while "step 50 " not in log.read_text() and time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            time.sleep(0.2)  # until the ranks are training
+        # Until the ranks are training (the plain progress line of step 50 of many).
+        wait_for(lambda: "step 50/" in log.read_text(), 120, "step 50", proc)
         family = _descendants(proc.pid)
         assert len(family) >= 3  # torchrun and its 2 workers
         t = time.monotonic()

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.helpers import TINY_GPT, read_jsonl, train_here, trainer, weights
+from tests.helpers import TINY_GPT, read_jsonl, shared_run, train_here, trainer, weights
 from trainer import config, invariant, sampler
 from trainer.errors import ConfigError
 
@@ -156,19 +156,25 @@ def test_config_check_names_the_world_sizes_that_fit(capsys):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """runs(world, *args) -> _run's record of that run, made once for the module."""
+    """runs(world, *args) -> _run's record of that run, made once per session (helpers.shared_run:
+    by the first worker that asks)."""
     cache = {}
 
     def get(world: int, *args: str) -> dict:
         key = (world, args)
         if key not in cache:
-            cache[key] = _run(tmp_path_factory.mktemp("runs"), world, *args)
+            folder = shared_run(
+                tmp_path_factory,
+                f"world-invariant {world} {args!r}",
+                lambda f: _train(f, world, *args),
+            )
+            cache[key] = _record(folder / f"w{world}")
         return cache[key]
 
     return get
 
 
-def _run(tmp_path, world, *args) -> dict:
+def _train(tmp_path, world, *args) -> None:
     """World 1 in this process (one thread, as each rank has); more ranks started directly with
     torchrun's variables (helpers.ranks: the launcher is not what these tests are about)."""
     run_dir = tmp_path / f"w{world}"
@@ -176,6 +182,14 @@ def _run(tmp_path, world, *args) -> dict:
         train_here("train", *args, f"run_dir={run_dir}")
     else:
         trainer("train", *args, f"run_dir={run_dir}", nproc=world, torchrun=False)
+
+
+def _run(tmp_path, world, *args) -> dict:
+    _train(tmp_path, world, *args)
+    return _record(tmp_path / f"w{world}")
+
+
+def _record(run_dir) -> dict:
     records = read_jsonl(run_dir / "metrics.jsonl")
     return {
         "train": [(r["step"], r["loss"]) for r in records if r["kind"] == "train"],
@@ -202,15 +216,16 @@ def _assert_identical(got: dict, ref: dict) -> None:
     "args, worlds",
     [
         pytest.param(MLP, (2, 4, 8), id="mlp"),
-        pytest.param(LENET, (8,), id="lenet"),
-        pytest.param(GPT_SAVING, (2, 8), id="gpt"),
+        pytest.param(LENET, (2,), id="lenet"),
+        pytest.param(GPT_SAVING, (2,), id="gpt"),
     ],
 )
 def test_worlds_1_2_4_8_train_the_same_bits(runs, args, worlds):
     """The MLP on every world size: a rank owns 8, 4, 2 or 1 shards, so the tree is combined
     across ranks at every level. What a model adds (convolutions, attention, per-shard dropout)
-    runs inside each shard, the same on any world: LeNet and the GPT on 8 ranks (the GPT on 2
-    as well, and on 4 in the resume test below) against one process."""
+    runs inside each shard, the same on any world: LeNet and the GPT on 2 ranks (the GPT on 4
+    in the resume test below) against one process. (World 8 for them too cost 90 s of suite
+    time and tested the MLP's tree again.)"""
     ref = runs(1, *args, *ON)
     assert len(ref["train"]) == 6
     for world in worlds:
@@ -237,8 +252,7 @@ def test_batchnorm_statistics_and_bf16_autocast_hold_too(tmp_path):
     ]
     ref = _run(tmp_path, 1, *args)
     assert any(k.endswith("running_var") for k in ref["weights"])
-    for world in (2, 4):
-        _assert_identical(_run(tmp_path, world, *args), ref)
+    _assert_identical(_run(tmp_path, 4, *args), ref)  # 2 shards per rank, and across ranks
 
 
 @pytest.mark.slow
