@@ -109,7 +109,22 @@ def test_a_run_reports_its_throughput_in_metrics_and_summary(tmp_path):
     assert all(0.0 <= r["data_wait_pct"] <= 100.0 and r["samples_per_s"] > 0 for r in train)
     assert "mfu" not in train[0]  # a CPU has no peak in the table
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["flops_per_sample"] == 4 * 16 * 8 + 6 * 8 * 3  # the tiny model, counted
+    # No peak, no MFU: the FLOPs are not counted either (a forward/backward at every start).
+    assert summary["flops_per_sample"] is None
     assert summary["mfu"] is None and summary["peak_flops"] is None
     assert 0.0 <= summary["data_wait_pct"] <= 100.0
     assert "samples/s" in p.stdout and "MFU" not in p.stdout
+
+
+def test_where_the_peak_is_known_a_run_counts_its_flops_and_reports_mfu(tmp_path, monkeypatch):
+    """A GPU in the table, as far as the run can tell: the FLOPs are counted and MFU logged."""
+    monkeypatch.setattr(perf, "peak_flops", lambda device, precision: 1e9)
+    run_dir = tmp_path / "run"
+    summary = helpers.train_here(
+        "train", *helpers.TINY, "train.epochs=1", "log.every_steps=1", "log.progress=none",
+        f"run_dir={run_dir}",
+    )  # fmt: skip
+    assert summary["flops_per_sample"] == 4 * 16 * 8 + 6 * 8 * 3  # the tiny model, counted
+    assert summary["peak_flops"] == 1e9 and summary["mfu"] > 0
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert train and all(r["mfu"] > 0 for r in train)

@@ -137,11 +137,14 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
     spec = data.build(cfg.data, cfg.seed, world.device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(world.device)
-    # Counted where it is reported (rank 0 logs and writes the summary): a model copy and a
-    # forward/backward that the other ranks need not spend at start.
+    # Counted only where it is reported (rank 0 logs and writes the summary) and where it means
+    # something: MFU needs a device whose peak is known (a GPU). Counting costs a model copy, a
+    # forward/backward and FlopCounterMode's imports (triton's among them): start-up time for a
+    # number a CPU run never shows.
+    peak = perf.peak_flops(perf.device_name(world.device), cfg.train.precision)
     flops = (
         perf.flops_per_sample(model, spec.in_shape, spec.task, world.device)
-        if world.is_main
+        if world.is_main and peak
         else None
     )
     model = layout(model, cfg.train)
@@ -194,5 +197,5 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         total_steps=total,
         started=started,
         flops_per_sample=flops,
-        peak_flops=perf.peak_flops(perf.device_name(world.device), cfg.train.precision),
+        peak_flops=peak,
     )
