@@ -1,6 +1,7 @@
 """Docs that cannot drift: every measured number they quote is checked against the one place it
 comes from (bench/results, the test harness's constants, the code), every install line names our
-distribution, and the README's cheap shell examples run here with the output it shows."""
+distribution, and the cheap shell examples of the README and docs/ run here (config commands
+in full, launcher commands as --dry-run), the README's example error with the output it shows."""
 
 from __future__ import annotations
 
@@ -128,22 +129,56 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _readme_config_commands() -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", README, re.S)
-    commands = []
-    for block in blocks:
-        for line in block.splitlines():
-            command = line.split("  #")[0].strip()
-            if command.startswith("trainer config "):
-                commands.append(command)
-    return commands
+def _shell_commands(prefix: str) -> list[tuple[str, str]]:
+    """(page, command) for every line of a ```bash block, in the README and docs/*.md, that
+    starts with `prefix` (a trailing `  # comment` dropped)."""
+    found = []
+    for page, text in {"README.md": README, **{f"docs/{n}": t for n, t in DOCS.items()}}.items():
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.splitlines():
+                command = line.split("  #")[0].strip()
+                if command.startswith(prefix):
+                    found.append((page, command))
+    return found
 
 
-@pytest.mark.parametrize("command", _readme_config_commands())
-def test_the_readmes_config_examples_run(command):
+CONFIG_COMMANDS = _shell_commands("trainer config ")
+LAUNCH_COMMANDS = [(p, c) for p, c in _shell_commands("trainer-launch") if " -- " not in c]
+
+
+def test_the_docs_hold_examples_of_both_kinds():
+    pages = {page for page, _ in CONFIG_COMMANDS}
+    assert "README.md" in pages and len(CONFIG_COMMANDS) >= 3, CONFIG_COMMANDS
+    assert len(LAUNCH_COMMANDS) >= 2, LAUNCH_COMMANDS
+
+
+@pytest.mark.parametrize("page, command", CONFIG_COMMANDS)
+def test_the_docs_config_examples_run(page, command):
     code, out, err = _run(shlex.split(command)[1:])
-    assert code == 0, err
+    assert code == 0, f"{page}: {command}: {err}"
     assert out.strip()
+
+
+@pytest.mark.parametrize("page, command", LAUNCH_COMMANDS)
+def test_the_docs_launcher_examples_resolve_to_a_torchrun_command(page, command, monkeypatch):
+    """Each `trainer-launch ...` example, as --dry-run: its arguments are valid and it would
+    start torchrun (a foreign executable, `trainer-launch bash`, would run as is)."""
+    from trainer.launch import launcher
+
+    for name in ("NNODES", "NODE_RANK", "MASTER_ADDR", "TRAIN_ARGS", "PET_NNODES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()) as err:
+        code = launcher.main(["--dry-run", *shlex.split(command)[1:]])
+    assert code == 0, f"{page}: {command}: {err.getvalue()}"
+    line = out.getvalue().strip().splitlines()[-1]
+    if shlex.split(command)[1:2] == ["bash"]:
+        assert line.split()[-1] == "bash" and "torch.distributed.run" not in line, line
+    else:
+        assert "-m torch.distributed.run" in line and line.endswith(
+            " ".join(["-m trainer train", *shlex.split(command)[1:]])
+        ), line
 
 
 def test_the_readmes_example_error_is_what_the_command_prints(monkeypatch, tmp_path):
