@@ -167,6 +167,14 @@ def test_shm_size_and_train_args_come_from_the_shell():
     assert _container_env(s)["TRAIN_ARGS"] == "run_dir=runs/cpu/${name} optim.lr=0.5"
 
 
+def test_the_process_count_comes_from_the_shell_with_a_default_per_service():
+    services = compose_config("cpu", NPROC_PER_NODE="1")["services"]
+    assert services["cpu"]["environment"]["NPROC_PER_NODE"] == "1"
+    assert services["trainer"]["environment"]["NPROC_PER_NODE"] == "1"
+    services = compose_config("cpu")["services"]
+    assert services["trainer"]["environment"]["NPROC_PER_NODE"] == "auto"  # one per GPU
+
+
 def test_cpu_and_two_node_profiles():
     services = compose_config("cpu", "two-node")["services"]
     assert "deploy" not in services["cpu"] and services["cpu"]["build"]["args"]["VARIANT"] == "cpu"
