@@ -19,9 +19,11 @@ line; none passes without a build and a run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 import urllib.request
@@ -156,8 +158,8 @@ def memlock_ok(engine, image) -> bool:
 # --- compose -----------------------------------------------------------------------------------
 
 
-def compose(engine, project, override, *args, timeout=600, check=True, **env):
-    files = ["-f", ROOT / "compose.yaml", *(["-f", override] if override else [])]
+def compose(engine, project, override, *args, timeout=600, check=True, base="compose.yaml", **env):
+    files = ["-f", ROOT / base, *(["-f", override] if override else [])]
     e = {
         k: v
         for k, v in engine.env.items()
@@ -400,6 +402,193 @@ def test_tensorboard_serves_the_runs_volume_on_localhost(project, cpu_run):
     c = project.inspect("tensorboard")
     assert c["HostConfig"]["ReadonlyRootfs"] and c["Config"]["User"] == f"{UID}:{UID}"
     assert c["HostConfig"]["PortBindings"]["6006/tcp"][0]["HostIp"] == "127.0.0.1"
+
+
+def test_compose_hosts_file_on_two_hosts_equals_one_container_bit_for_bit(
+    engine, project, cpu_run, tmp_path, report
+):
+    """compose.hosts.yaml as two real hosts would run it, on one engine: two `host-cpu`
+    containers with host networking, NODE_RANK 0 and 1, the rendezvous on 127.0.0.1, the runs on
+    one bind-mounted folder (the shared storage). Same numbers as the cpu service's 2 ranks."""
+    shared = tmp_path / "shared-runs"
+    shared.mkdir()
+    os.chown(shared, UID, UID)  # docs/containers.md: the image's user writes the runs
+    override = tmp_path / "hosts-override.yaml"
+    lines = ["services:", "  host-cpu:", f"    image: {TAG}", "    pull_policy: never"]
+    lines += ["    cpus: 1"]  # two "hosts" on one machine's 2 cores: a core each
+    if not project.memlock:
+        lines += ["    ulimits: !override", "      stack: 67108864"]
+    override.write_text("\n".join(lines) + "\n")
+    common = dict(NNODES="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+                  RUNS_DIR=str(shared), NPROC_PER_NODE="1", DATA_DIR=str(project.data))  # fmt: skip
+    names = [f"{PROJECT}-host{rank}" for rank in (0, 1)]
+
+    def hosts(name, *args, **env):
+        return compose(engine, name, override, *args, base="compose.hosts.yaml", **common, **env)
+
+    t = time.monotonic()
+    try:
+        for rank, name in enumerate(names):
+            hosts(name, "--profile", "cpu", "up", "--no-build", "--detach", "host-cpu",
+                  NODE_RANK=str(rank))  # fmt: skip
+        ids = [hosts(n, "ps", "--all", "--quiet", "host-cpu", NODE_RANK="0").stdout.split()[0]
+               for n in names]  # fmt: skip
+        codes = [int(engine.docker("wait", i, timeout=900).stdout.strip()) for i in ids]
+        report["compose_hosts_wall_s"] = round(time.monotonic() - t, 1)
+        logs = [engine.docker("logs", i).stdout + engine.docker("logs", i).stderr for i in ids]
+        assert codes == [0, 0], "\n".join(log[-3000:] for log in logs)
+        for i, log in zip(ids, logs, strict=True):
+            c = json.loads(engine.docker("inspect", i).stdout)[0]
+            assert c["HostConfig"]["NetworkMode"] == "host"
+            assert_hardened(c, project.memlock)
+            assert "2 nodes x 1 process(es)" in log and "OMP_NUM_THREADS=1 " in log, log[-2000:]
+        run_dir = shared / "hosts" / "digits-mlp"  # rank 0 wrote it on the "shared storage"
+        s = summary(run_dir)
+        assert (s["world_size"], s["steps"]) == (2, STEPS)
+        assert_same_numbers(run_dir, cpu_run)  # 2 hosts x 1 rank == 1 container x 2 ranks
+        say(f"compose.hosts.yaml: 2 host-network containers == the cpu service, bit for bit "
+            f"({report['compose_hosts_wall_s']} s)")  # fmt: skip
+    finally:
+        for name in names:
+            hosts(name, "--profile", "cpu", "down", "--volumes", "--timeout", "5",
+                  NODE_RANK="0", check=False)  # fmt: skip
+
+
+def _wait_for_line(read, pattern: str, timeout: float = 300) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if m := re.search(pattern, read(), re.M):
+            return m
+        time.sleep(0.5)
+    raise AssertionError(f"no line matching {pattern!r} in {timeout} s: {read()[-3000:]}")
+
+
+def _wait_for_step(read, minimum: int, timeout: float = 300) -> int:
+    """The first progress line ("step 1,234/5,678 ...") at or past step `minimum`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = [int(m.replace(",", "")) for m in re.findall(r"^step ([\d,]+)/", read(), re.M)]
+        if steps and max(steps) >= minimum:
+            return max(steps)
+        time.sleep(0.5)
+    raise AssertionError(f"no step {minimum} in {timeout} s: {read()[-3000:]}")
+
+
+def _wait_until_gone(group: int, timeout: float = 120) -> None:
+    """Until no process of process group `group` is left (the ranks saved and exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"process group {group} still alive after {timeout} s")
+
+
+def test_one_run_through_three_launchers_and_two_stops_ends_bitwise_at_world_1(
+    engine, image, memlock_ok, tmp_path, report
+):
+    """The headline as a user meets it: a run started by `make run-local` (2 ranks) is stopped
+    by SIGTERM, resumed in a compose container on 1 rank, stopped again, and finished by the
+    Kubernetes cpu-smoke overlay's two pods (network namespaces, tests/test_k8s_multinode.py),
+    all on one run folder. Under repro.world_invariant its final weights equal an uninterrupted
+    one-process run's, bit for bit."""
+    from tests import k8s as kube
+    from tests.test_k8s_multinode import Cluster, _network, _unavailable
+
+    if reason := _unavailable():
+        pytest.skip(reason)
+    shared = tmp_path / "shared"  # the runs storage every launcher sees
+    shared.mkdir()
+    config = shared / "train.yaml"  # the cpu-smoke overlay's own config file, for all three
+    config.write_text((ROOT / "k8s" / "overlays" / "cpu-smoke" / "train.yaml").read_text())
+    steps = 60 * STEPS_PER_EPOCH
+    overrides = ["repro.world_invariant=true", "train.epochs=60", "ckpt.every_epochs=5"]
+    run_dir = shared / "headline"
+
+    # The reference: one process, start to end.
+    e = {k: v for k, v in os.environ.items() if k not in ("TRAIN_ARGS", "ARGS", "NPROC")}
+    ref = tmp_path / "reference"
+    p = run([str(ROOT / ".venv" / "bin" / "trainer"), "train", "--config", str(config),
+             *overrides, f"run_dir={ref}"], env=e, cwd=tmp_path)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+
+    # 1. make run-local (2 ranks), SIGTERM to its process group once it is well under way.
+    log = tmp_path / "run-local.log"
+    with open(log, "w") as out:
+        make = subprocess.Popen(
+            ["make", "--no-print-directory", "run-local", f"RUN_DIR={run_dir}",
+             f"ARGS=--config {config} {' '.join(overrides)}"],
+            env=e, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        _wait_for_step(log.read_text, 230)
+        os.killpg(make.pid, signal.SIGTERM)  # as Ctrl-C would: make, torchrun and the ranks
+        make.wait(timeout=120)
+        _wait_until_gone(make.pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGKILL)
+    first = re.search(r"stopped by SIGTERM at step (\d+); checkpoint", log.read_text())
+    assert first, log.read_text()[-3000:]
+    first_stop = int(first.group(1))
+
+    # 2. compose, 1 rank, on the same folder (the image's user writes to it), SIGTERM again.
+    for path in [shared, *shared.rglob("*")]:
+        os.chmod(path, 0o777 if path.is_dir() else 0o666)
+    override = tmp_path / "headline-override.yaml"
+    lines = ["services:", "  cpu:", f"    image: {TAG}", "    pull_policy: never"]
+    lines += ["    volumes: !override", f"      - {shared}:/workspace/runs"]
+    if not memlock_ok:
+        lines += ["    ulimits: !override", "      stack: 67108864"]
+    override.write_text("\n".join(lines) + "\n")
+    name = f"{PROJECT}-headline"
+    data = tmp_path / "data"
+    data.mkdir()
+    args = " ".join(["--config runs/train.yaml", "run_dir=runs/headline", *overrides])
+
+    def c(*a, **kw):
+        return compose(engine, name, override, *a, NPROC_PER_NODE="1", TRAIN_ARGS=args,
+                       DATA_DIR=str(data), **kw)  # fmt: skip
+
+    try:
+        c("--profile", "cpu", "up", "--no-build", "--detach", "cpu")
+        logs = lambda: c("logs", "--no-color", "--no-log-prefix", "cpu").stdout  # noqa: E731
+        _wait_for_line(logs, rf"resumed from \S+ \(step {first_stop},")
+        _wait_for_step(logs, first_stop + 230)
+        c("stop", "cpu", timeout=120)
+        container = c("ps", "--all", "--quiet", "cpu").stdout.split()[0]
+        code = json.loads(engine.docker("inspect", container).stdout)[0]["State"]["ExitCode"]
+        assert code == 3, logs()[-3000:]
+        second = re.search(r"stopped by SIGTERM at step (\d+); checkpoint", logs())
+        assert second and int(second.group(1)) > first_stop, logs()[-3000:]
+        assert "1 node x 1 process(es)" in logs()
+    finally:
+        c("--profile", "cpu", "down", "--volumes", "--timeout", "5", check=False)
+    second_stop = int(second.group(1))
+
+    # 3. the cpu-smoke overlay's two pods finish it (trainer-launch, c10d across namespaces).
+    pods = kube.pods(kube.render("cpu-smoke"))
+    with _network(pods) as net:
+        extra = {"TRAIN_ARGS": " ".join([f"run_dir={run_dir}", *overrides])}
+        (tmp_path / "k8s").mkdir()
+        cluster = Cluster(tmp_path / "k8s", net, extra_env=extra)
+        try:
+            codes = cluster.run_all()
+        finally:
+            cluster.close()
+    assert codes == [0, 0], cluster.logs()
+    assert f"(step {second_stop}," in cluster.log(0) and "resumed from" in cluster.log(0)
+
+    s = summary(run_dir)
+    assert (s["steps"], s["world_size"]) == (steps, 2)
+    assert s["eval"] == summary(ref)["eval"]
+    w, r = weights(run_dir), weights(ref)
+    assert w.keys() == r.keys() and all(w[k].equal(r[k]) for k in r)
+    report["headline_stops"] = [first_stop, second_stop]
+    say(f"run-local (2 ranks) -> SIGTERM at step {first_stop} -> compose (1 rank) -> SIGTERM at "
+        f"step {second_stop} -> 2 netns pods -> step {steps}: == one process, bit for bit")  # fmt: skip
 
 
 INSIDE = r"""
