@@ -88,6 +88,27 @@ def test_stop_votes_are_posted_every_n_steps_and_read_one_step_later(monkeypatch
     assert stops == [21]  # = 17 + 4 <= 17 + every
 
 
+def test_a_cadence_that_changes_every_step_still_votes_within_every_steps(monkeypatch):
+    """The agreed cadence changes at log steps (here 10 and 9 by turns, every 10 steps). Each
+    vote comes at most `every` steps after the last, so a signal in step k stops by k + every.
+    At `step % every == 0` steps 1-17 had none, and 20-35: a stop up to 17 steps late."""
+    import torch.distributed as dist
+
+    posted = []
+    monkeypatch.setattr(dist, "all_reduce", lambda *a, **k: posted.append(step) or Work())
+
+    class Work:
+        def wait(self):
+            pass
+
+    vote = StopVote(StopSignal(), group=object())
+    for step in range(1, 200):
+        vote.every = 10 if (step // 10) % 2 == 0 else 9
+        vote.poll(step)
+    gaps = [b - a for a, b in zip([0, *posted], posted, strict=False)]
+    assert max(gaps) <= 10 and posted[:4] == [10, 19, 29, 38], posted[:5]
+
+
 def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence(monkeypatch):
     # Two ranks: the other one's shares arrive through the all-reduce (loss 1, cadence 10,
     # metrics errno 5); the cadence is the ranks' mean rounded up, the flags their sum.

@@ -110,7 +110,10 @@ class StopVote:
 
     Every rank calls `poll(step)` at every step boundary with the same step and the same `every`;
     it returns the outcome of the vote posted at the previous boundary, if one was (the same on
-    every rank, so all stop at the same step), and posts a vote when `step % every == 0`.
+    every rank, so all stop at the same step), and posts a vote once `every` steps have passed
+    since the last one. (Not `step % every == 0`: with a cadence that changes at each log step,
+    multiples of it can be skipped, and a run stopped 12 steps after its signal at a cadence of
+    at most 10.)
     `finish()` waits for the vote in flight, so none is pending at teardown.
     """
 
@@ -120,6 +123,8 @@ class StopVote:
         """Steps between votes: 1 until the ranks agree on a cadence (set it on every rank at
         the same step boundary, before its poll)."""
         self._pending = None
+        self._last = 0
+        """The step boundary of the last vote posted (the same on every rank)."""
 
     @staticmethod
     def cadence(seconds_per_step: float) -> int:
@@ -136,7 +141,8 @@ class StopVote:
         import torch.distributed as dist
 
         agreed = self.finish()
-        if not agreed and step % self.every == 0:
+        if not agreed and step - self._last >= self.every:
+            self._last = step
             flag = self.stop._flag(step)
             work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             self._pending = (work, flag)
