@@ -379,6 +379,9 @@ def test_a_host_runs_the_one_host_service_on_its_network_with_shared_runs(servic
         "29500",
     )
     assert e["NPROC_PER_NODE"] == ("auto" if service == "host" else "2")
+    assert e["POD_IP"] == ""  # trainer-launch: the address this host reaches MASTER_ADDR from
+    picked = hosts_config(*profiles, HOST_IP="10.0.1.2")[service]  # a host with several networks
+    assert _container_env(picked)["POD_IP"] == "10.0.1.2"
     assert e["TRAIN_ARGS"] == "run_dir=runs/hosts/${name} "  # one folder, every host, restarts
     mounts = {v["target"]: v for v in s["volumes"]}
     runs = mounts["/workspace/runs"]

@@ -429,8 +429,11 @@ def test_compose_hosts_file_on_two_hosts_equals_one_container_bit_for_bit(
     t = time.monotonic()
     try:
         for rank, name in enumerate(names):
+            # Two hosts have two addresses: both on 127.0.0.1, torchrun's node identities
+            # (address, pid) collided whenever both agents got the same pid in their own PID
+            # namespaces, and the rendezvous waited for a second node forever.
             hosts(name, "--profile", "cpu", "up", "--no-build", "--detach", "host-cpu",
-                  NODE_RANK=str(rank))  # fmt: skip
+                  NODE_RANK=str(rank), HOST_IP=f"127.0.0.{rank + 1}")  # fmt: skip
         ids = [hosts(n, "ps", "--all", "--quiet", "host-cpu", NODE_RANK="0").stdout.split()[0]
                for n in names]  # fmt: skip
         codes = [int(engine.docker("wait", i, timeout=900).stdout.strip()) for i in ids]
