@@ -83,7 +83,7 @@ test: setup  ## the whole test suite (what CI runs)
 test-quick: setup  ## the suite without the tests marked slow (under 3 minutes: the edit-test loop)
 	$(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
-test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~10 min; 12 GB free disk, ~10 GB used at peak)
+test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~14 min; 12 GB free disk, ~10 GB used at peak)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose files, k8s/) and Docker Compose
