@@ -72,7 +72,8 @@ def test_run_dir_outputs(reference_runs):
 
 
 @pytest.mark.slow
-def test_tail_batch_smaller_than_world_trains_and_matches(tmp_path, world=4):
+def test_tail_batch_smaller_than_world_trains_and_matches(tmp_path):
+    world = 4
     # 9 samples, global batch 4: the last batch of every epoch holds 1 sample for 4 ranks: three
     # of them train on nothing. (At world 2: test_faults' dry run, and every run of 9 samples.)
     ref, run = tmp_path / "w1", tmp_path / f"w{world}"
