@@ -688,3 +688,100 @@ def test_the_launchers_stderr_filter_after_a_sigterm(message):
         assert lines[:3] == [*kept, TORCHRUN_SIGTERM[0].decode().strip()]
         assert lines[-1].startswith("torch.distributed.elastic.multiprocessing.api.Signal")
         assert len(lines) == 1 + len(TORCHRUN_SIGTERM)
+
+
+TORCHRUN_RENDEZVOUS = [
+    b"Traceback (most recent call last):\n",
+    b'  File "torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 156, in '
+    b"_create_tcp_store\n",
+    b"    store = TCPStore(\n",
+    b"            ^^^^^^^^^\n",
+    b"torch.distributed.DistNetworkError: The client socket has timed out after 2000ms while "
+    b"trying to connect to (10.0.0.9, 29500).\n",
+    b"\n",
+    b"The above exception was the direct cause of the following exception:\n",
+    b"\n",
+    b"Traceback (most recent call last):\n",
+    b'  File "<frozen runpy>", line 198, in _run_module_as_main\n',
+    b'  File "torch/distributed/launcher/api.py", line 346, in launch_agent\n',
+    b"torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
+    b"C10d store has failed. See inner exception for details.\n",
+]
+"""What torchrun printed on a node that could not reach node 0's store (the traceback shortened)."""
+
+
+def launched(raws: list[bytes], host: str = "10.0.0.9", nnodes: str = "2") -> list[str]:
+    """What trainer-launch prints for torchrun's stderr `raws` when torchrun failed and no rank
+    left a line (run_child's ending)."""
+    from trainer.launch.launcher import Rendezvous, StderrFilter, rendezvous_error
+
+    out = io.BytesIO()
+    stream = io.TextIOWrapper(out, encoding="utf-8")
+    f = StderrFilter(stream)
+    for raw in raws:
+        f.feed(raw)
+    f.close()
+    meeting = Rendezvous(f"{host}:29500", host, nnodes, node_rank=1, join_timeout="600")
+    f.finish(rendezvous_error(f.rendezvous, meeting) if f.rendezvous else None)
+    stream.flush()
+    return out.getvalue().decode().splitlines()
+
+
+def test_a_node_that_cannot_reach_the_rendezvous_ends_in_one_line():
+    from tests.test_noise import NOISE
+
+    assert launched([*NOISE, *TORCHRUN_RENDEZVOUS]) == [
+        "trainer-launch: error: node 1 cannot reach the rendezvous at 10.0.0.9:29500 (The client "
+        "socket has timed out after 2000ms while trying to connect to (10.0.0.9, 29500).): check "
+        "that node 0 is running and that MASTER_ADDR and MASTER_PORT name it (a firewall or "
+        "NetworkPolicy must let this node reach that port)"
+    ]
+    # A name that does not resolve is named as such
+    (line,) = launched(TORCHRUN_RENDEZVOUS, host="no-such-host.invalid")
+    assert "MASTER_ADDR no-such-host.invalid does not resolve" in line, line
+    # Node 0 waiting for the others: the join timeout and the ranks to start
+    timeout = [
+        *TORCHRUN_RENDEZVOUS[8:11],
+        b"torch.distributed.elastic.rendezvous.api.RendezvousTimeoutError\n",
+    ]
+    assert launched(timeout, host="127.0.0.1", nnodes="3") == [
+        "trainer-launch: error: the rendezvous at 127.0.0.1:29500 did not gather 3 nodes within "
+        "600 s: start every node (NODE_RANK 0 to 2) with the same MASTER_ADDR, MASTER_PORT and "
+        "rendezvous id, or raise RDZV_JOIN_TIMEOUT"
+    ]
+
+
+def test_other_tracebacks_pass_whole_and_in_order():
+    worker = [
+        b"Traceback (most recent call last):\n",
+        b'  File "my_script.py", line 3, in <module>\n',
+        b"ValueError: bad\n",
+    ]
+    # A worker's own traceback before anything else was printed: held to its end, then printed
+    assert launched([*worker, b"after\n"]) == [r.decode().rstrip() for r in [*worker, b"after\n"]]
+    assert launched(worker) == [r.decode().rstrip() for r in worker]
+    # Once something was printed, a rendezvous failure is nobody's to drop: kept whole
+    raws = [b"epoch 1\n", *TORCHRUN_RENDEZVOUS]
+    assert launched(raws) == [r.decode().rstrip() for r in raws]
+
+
+@pytest.mark.slow
+def test_trainer_launch_on_a_node_without_its_rendezvous_exits_4_in_one_line(tmp_path):
+    from tests.helpers import free_port
+
+    port = free_port()  # nothing listens there: node 0 never started
+    extra = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NNODES="2", NODE_RANK="1")
+    p = subprocess.run(
+        [str(BIN / "trainer-launch"), f"run_dir={tmp_path}/run"],
+        env=env(NPROC_PER_NODE="1", RDZV_JOIN_TIMEOUT="2", **extra),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 4, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"trainer-launch: error: node 1 cannot reach the rendezvous at 127.0.0.1:{port} ("
+    ), p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "run").exists(), p.stderr

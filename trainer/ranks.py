@@ -203,7 +203,7 @@ def _init(world: World, timeout_s: int, even_alone: bool) -> None:
                 _stop_group = dist.new_group(backend="gloo", timeout=kwargs["timeout"])
     except dist.DistError as e:
         where = f"{world.master_addr}:{world.master_port}"
-        if unknown := _unresolved(world.master_addr):
+        if unknown := unresolved(world.master_addr):
             reason = f"MASTER_ADDR {world.master_addr} does not resolve: {unknown}"
             fix = "check the name (on Kubernetes, the rank-0 pod's service or hostname)"
         else:
@@ -215,7 +215,7 @@ def _init(world: World, timeout_s: int, even_alone: bool) -> None:
         ) from None
 
 
-def _unresolved(host: str | None) -> str | None:
+def unresolved(host: str | None) -> str | None:
     """Why `host` does not resolve (the resolver's words), or None when it does."""
     import socket
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from trainer.cli import COMMANDS
-from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError
+from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError, shorten
 from trainer.launch.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
 from trainer.launch.threads import available_cpus, threads_per_rank, user_threads
 
@@ -89,6 +89,19 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """Where and how this node meets the others: what a failed rendezvous is explained with."""
+
+    endpoint: str
+    """host:port"""
+    host: str
+    nnodes: str
+    node_rank: int | None
+    join_timeout: str
+    """Seconds, as torchrun gets them (--rdzv-conf join_timeout)."""
+
+
+@dataclass(frozen=True)
 class Plan:
     argv: tuple[str, ...]
     env: dict[str, str]
@@ -100,6 +113,8 @@ class Plan:
     summary: str
     world_size: int | None = None
     """Ranks in the job when torchrun is launched with a fixed node count; None otherwise."""
+    rendezvous: Rendezvous | None = None
+    """The multi-node rendezvous torchrun joins (None: standalone), to name it when it fails."""
 
     def shell(self) -> str:
         """The plan as one copy-pastable shell line."""
@@ -185,6 +200,7 @@ def make_plan(
     if (threads := threads_per_rank(env, cpus, node.nproc)) is not None:
         extra["OMP_NUM_THREADS"] = str(threads)  # torchrun sets it only for nproc > 1, to 1
     argv = [python, "-m", "torch.distributed.run"]
+    rendezvous = None
     if not node.multi_node:
         # All ranks on this host: they meet on loopback, not at this host's name, which need not
         # resolve (`docker run --network=none`, a container without its name in /etc/hosts):
@@ -225,11 +241,24 @@ def make_plan(
             f"{node.nnodes} nodes x {node.nproc} process(es), this is node {rank}, "
             f"rendezvous at {node.host}:{node.port} (id {rdzv_id})"
         )
+        rendezvous = Rendezvous(
+            endpoint=f"{endpoint}:{node.port}",
+            host=node.host,
+            nnodes=node.nnodes,
+            node_rank=node.node_rank,
+            join_timeout=conf["join_timeout"],
+        )
     argv.append(f"--max-restarts={node.max_restarts}")
     argv += command.torchrun_tail()
     world = int(node.nnodes) * node.nproc if node.nnodes.isdigit() else None
     return Plan(
-        argv=tuple(argv), env=extra, unset=unset, child=True, summary=summary, world_size=world
+        argv=tuple(argv),
+        env=extra,
+        unset=unset,
+        child=True,
+        summary=summary,
+        world_size=world,
+        rendezvous=rendezvous,
     )
 
 
@@ -358,22 +387,69 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
         assert signals.child.stderr is not None
         for raw in iter(signals.child.stderr.readline, b""):
             out.feed(raw)
+        out.close()
         rc = signals.child.wait()
         code = exit_code(rc, status_dir, signals.last)
-        out.finish(node_message(status_dir, code) if rc != 0 else None)
+        line = node_message(status_dir, code) if rc != 0 else None
+        if line is None and rc != 0 and out.rendezvous and plan.rendezvous:
+            line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
+        out.finish(line)
         return code
     finally:
         out.finish(None)
         shutil.rmtree(status_dir, ignore_errors=True)
 
 
+RENDEZVOUS_FAILURE = re.compile(
+    rb"^torch\.distributed\.elastic\.rendezvous\.api\.(Rendezvous\w*Error)\b:? ?(.*)"
+)
+"""The last line of torchrun's traceback when this node could not join the others."""
+
+
+class Traceback:
+    """A Python traceback, chained causes included, taken line by line as it arrives."""
+
+    CHAINED = (b"The above exception was", b"During handling of the above exception")
+
+    def __init__(self, first: bytes) -> None:
+        self.lines = [first]
+        self.exceptions: list[bytes] = []
+        """Each part's final line (`module.Type: message`), innermost cause first."""
+        self._state = "frames"
+
+    def take(self, raw: bytes) -> bool:
+        """Whether `raw` continues the traceback (then it is kept); False: it ended before."""
+        text = raw.rstrip(b"\r\n")
+        state = self._state
+        if state == "frames" and text.startswith((b" ", b"\t")):
+            pass
+        elif state == "frames" and text:
+            self.exceptions.append(text)
+            self._state = "exception"
+        elif state in ("exception", "cause") and not text:
+            pass
+        elif state == "exception" and text.startswith(self.CHAINED):
+            self._state = "cause"
+        elif state == "cause" and text.startswith(b"Traceback (most recent call last):"):
+            self._state = "frames"
+        else:
+            return False
+        self.lines.append(raw)
+        return True
+
+    def complete(self) -> bool:
+        return bool(self.exceptions) and self._state != "frames"
+
+
 class StderrFilter:
-    """Passes torchrun's stderr through line by line, holding back three things: the ranks'
-    `trainer: error:` lines, torchrun's own log lines (`E1123 12:00:00.000 123 torch/...`), and
-    the traceback torchrun prints after a worker failed or after it was signalled (SIGTERM: a
-    SignalException, ~29 lines, in every preempted pod's log). `finish(line)`: with a rank's
-    line, drop what was held and print that line last; without one, print everything held, in
-    order. c10d's rendezvous retries (trainer.noise.C10dNoise) are dropped as they come."""
+    """Passes torchrun's stderr through line by line, holding back four things: the ranks'
+    `trainer: error:` lines, torchrun's own log lines (`E1123 12:00:00.000 123 torch/...`), the
+    traceback torchrun prints after a worker failed or after it was signalled (SIGTERM: a
+    SignalException, ~29 lines, in every preempted pod's log), and one that comes before anything
+    else was printed until it ends: when it is torchrun's failure to join the other nodes, it is
+    `rendezvous` (dropped for one line, `rendezvous_error`). `finish(line)`: with a rank's line,
+    drop what was held and print that line last; without one, print everything held, in order.
+    c10d's rendezvous retries (trainer.noise.C10dNoise) are dropped as they come."""
 
     AGENT = re.compile(rb"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
     FAILED = re.compile(rb"failed \(exitcode: ")
@@ -391,6 +467,11 @@ class StderrFilter:
         self.tail = False
         self.done = False
         self.noise = C10dNoise()
+        self.started = False
+        """Something was printed: a traceback now may be a worker's, so it passes as it comes."""
+        self.block: Traceback | None = None
+        self.rendezvous: Traceback | None = None
+        """torchrun's traceback for a rendezvous this node could not join, held back."""
 
     def _write(self, *chunks: bytes) -> None:
         buffer = getattr(self.stream, "buffer", None)
@@ -402,10 +483,16 @@ class StderrFilter:
         self.stream.flush()
 
     def feed(self, raw: bytes) -> None:
+        if self.block is not None:
+            if self.block.take(raw):
+                return
+            self._end_block()
         if self.tail:
             self.held.append(raw)
         elif self.noise.known(raw):
             return
+        elif not self.started and raw.startswith(b"Traceback (most recent call last):"):
+            self.block = Traceback(raw)
         elif raw.startswith(b"trainer: error: "):
             self.errors.append(raw)
         elif self.AGENT.match(raw):
@@ -419,15 +506,34 @@ class StderrFilter:
             self.held.append(raw)
         elif self.signalled:  # the workers' lines while they stop; torchrun's stay held
             self._write(raw)
+            self.started = True
         else:
             self._write(*self.held, raw)
             self.held.clear()
             self.failed = False
+            self.started = True
+
+    def _end_block(self) -> None:
+        block, self.block = self.block, None
+        if block is None:
+            return
+        if block.complete() and RENDEZVOUS_FAILURE.match(block.exceptions[-1]):
+            self.rendezvous = block
+        else:
+            self._write(*block.lines)
+            self.started = True
+
+    def close(self) -> None:
+        """The stream ended: a traceback still open is complete."""
+        self._end_block()
 
     def finish(self, line: str | None) -> None:
         if self.done:
             return
         self.done = True
+        self.close()
+        if line is None and self.rendezvous is not None:  # nobody explains it: keep it whole
+            self._write(*self.rendezvous.lines)
         if line is not None:
             # Other ranks' lines that say something else are kept, above it; copies are not.
             chosen = self._unranked(line.encode("utf-8", "backslashreplace"))
@@ -445,6 +551,48 @@ class StderrFilter:
 
     def _unranked(self, raw: bytes) -> bytes:
         return self.RANK.sub(b"trainer: error: ", raw.rstrip(b"\r\n"))
+
+
+def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
+    """One line for torchrun's failure to join the other nodes (exit 4: a later try may meet
+    them), naming the endpoint, the likely cause and the fix, in place of its ~40-line traceback."""
+    from trainer.ranks import unresolved
+
+    match = RENDEZVOUS_FAILURE.match(failure.exceptions[-1])
+    assert match is not None
+    kind = match.group(1).decode()
+    node = "this node" if rendezvous.node_rank is None else f"node {rendezvous.node_rank}"
+    where = f"the rendezvous at {rendezvous.endpoint}"
+    if unknown := unresolved(rendezvous.host):
+        return (
+            f"trainer-launch: error: {node} cannot reach {where}: MASTER_ADDR {rendezvous.host} "
+            f"does not resolve ({unknown}): check the name (on Kubernetes, the rank-0 pod's "
+            "service or hostname)"
+        )
+    if kind == "RendezvousTimeoutError":
+        return (
+            f"trainer-launch: error: {where} did not gather {rendezvous.nnodes} nodes within "
+            f"{rendezvous.join_timeout} s: start every node (NODE_RANK 0 to "
+            f"{_last_rank(rendezvous.nnodes)}) with the same MASTER_ADDR, MASTER_PORT and "
+            "rendezvous id, or raise RDZV_JOIN_TIMEOUT"
+        )
+    if kind == "RendezvousClosedError":
+        return (
+            f"trainer-launch: error: {where} was closed before {node} joined (the other nodes "
+            "finished or gave up): start all nodes of the job again"
+        )
+    inner = failure.exceptions[0].decode("utf-8", "replace")  # the innermost cause
+    reason = inner.partition(": ")[2].strip() or inner.rpartition(".")[2]
+    return (
+        f"trainer-launch: error: {node} cannot reach {where} ({shorten(reason, 160)}): check "
+        "that node 0 is running and that MASTER_ADDR and MASTER_PORT name it (a firewall or "
+        "NetworkPolicy must let this node reach that port)"
+    )
+
+
+def _last_rank(nnodes: str) -> str:
+    top = nnodes.rpartition(":")[2]
+    return str(int(top) - 1) if top.isdigit() else "NNODES-1"
 
 
 def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
