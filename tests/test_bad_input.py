@@ -688,6 +688,11 @@ def test_the_launchers_stderr_filter_after_a_sigterm(message):
         assert lines[:3] == [*kept, TORCHRUN_SIGTERM[0].decode().strip()]
         assert lines[-1].startswith("torch.distributed.elastic.multiprocessing.api.Signal")
         assert len(lines) == 1 + len(TORCHRUN_SIGTERM)
+    # The ranks printed nothing on stderr before (progress goes to stdout): the same
+    silent = [raw for raw in TORCHRUN_SIGTERM if not raw.startswith(b"[rank1]")]
+    assert filtered(silent, stop if message else None) == (
+        [stop] if message else [raw.decode().rstrip() for raw in silent]
+    )
 
 
 TORCHRUN_RENDEZVOUS = [

@@ -491,8 +491,6 @@ class StderrFilter:
             self.held.append(raw)
         elif self.noise.known(raw):
             return
-        elif not self.started and raw.startswith(b"Traceback (most recent call last):"):
-            self.block = Traceback(raw)
         elif raw.startswith(b"trainer: error: "):
             self.errors.append(raw)
         elif self.AGENT.match(raw):
@@ -504,6 +502,8 @@ class StderrFilter:
         ):
             self.tail = True  # the workers are gone: the rest is torchrun's own report
             self.held.append(raw)
+        elif not self.started and raw.startswith(b"Traceback (most recent call last):"):
+            self.block = Traceback(raw)
         elif self.signalled:  # the workers' lines while they stop; torchrun's stay held
             self._write(raw)
             self.started = True
