@@ -358,3 +358,28 @@ def shared_run(tmp_path_factory, key: str, make: Callable[[Path], None]) -> Path
             make(folder)
             (folder / ".made").touch()
     return folder
+
+
+def slow_writing_mlp(
+    in_shape, num_classes, marker_dir, write_delay=1.0, hidden=(32,), dropout=0.0, delay=0.02
+):
+    """slow_mlp whose checkpoint writes pause `write_delay` s halfway (model.safetensors written,
+    optimizer.pt not yet), after leaving marker_dir/writing-<step> holding the writing thread's
+    name: a test can kill the process in the middle of a (background) write."""
+    import re
+    import threading
+    import time
+
+    from trainer.checkpoint import store
+
+    real = store._torch_save
+
+    def halfway(obj, path):
+        if path.endswith("optimizer.pt"):
+            step = int(re.search(r"step-(\d+)", path).group(1))
+            (Path(marker_dir) / f"writing-{step}").write_text(threading.current_thread().name)
+            time.sleep(write_delay)
+        real(obj, path)
+
+    store._torch_save = halfway
+    return slow_mlp(in_shape, num_classes, hidden=hidden, dropout=dropout, delay=delay)

@@ -4,6 +4,7 @@ import errno
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
@@ -361,3 +362,47 @@ def test_a_failed_shard_write_is_an_ordinary_exception_the_checkpointer_recovers
     (tmp_path / "dcp").unlink()
     sharded.save(model, opt, str(tmp_path))  # and a healthy folder round-trips
     assert sharded.read_model(str(tmp_path)).keys() == {"weight", "bias"}
+
+
+def _contents(path) -> dict:
+    """What a checkpoint holds, less wall-clock times and the config (run_dir differs)."""
+    payload = store.read(str(path))
+    del payload["meta"]["time"], payload["config_yaml"]
+    del payload["meta"]["results"]["train_time_s"], payload["meta"]["results"]["data_wait_s"]
+    return payload
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+
+def test_a_background_save_holds_its_steps_state_while_training_goes_on(tmp_path, monkeypatch):
+    real = store._torch_save
+
+    def slow(obj, path):  # each write takes 0.5 s longer than 3 tiny steps
+        if path.endswith("optimizer.pt"):
+            time.sleep(0.5)
+        real(obj, path)
+
+    monkeypatch.setattr(store, "_torch_save", slow)
+    adam = ["optim.name=adamw", "optim.lr=0.01"]  # optimizer state, updated in place each step
+    _run(tmp_path / "async", *adam)
+    _run(tmp_path / "blocking", *adam, "ckpt.async_save=false")
+    records = helpers.read_jsonl(tmp_path / "async" / "metrics.jsonl")
+    saves = [(r["step"], r["background"]) for r in records if r["kind"] == "checkpoint"]
+    assert saves == [(3, True), (6, True), (9, True), (12, False)]  # final: written in place
+    written = {r["step"]: r for r in records if r["kind"] == "checkpoint_written"}
+    assert sorted(written) == [3, 6, 9]
+    # Training reached the next save while the previous write still ran: it waited there.
+    assert all(written[s]["waited"] > 0.2 for s in (3, 6)), written
+    for step in (3, 6, 9, 12):
+        name = store.step_dir("checkpoints", step)
+        assert _same(
+            _contents(tmp_path / "async" / name), _contents(tmp_path / "blocking" / name)
+        ), f"step {step}: the background checkpoint differs from the blocking one"

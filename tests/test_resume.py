@@ -70,6 +70,40 @@ def test_sigkill_then_rerun_gives_bitwise_the_same_weights(uninterrupted_w1, tmp
     assert steps == list(range(1, 70))  # history has one record per step, none repeated
 
 
+@pytest.mark.slow
+def test_kills_during_background_writes_leave_the_previous_checkpoint_newest(
+    uninterrupted_w1, tmp_path
+):
+    from trainer.checkpoint import store
+
+    run_dir, markers = tmp_path / "run", tmp_path / "markers"
+    markers.mkdir()
+    args = [
+        *BASE,
+        *DROPOUT,
+        "model.name=tests.helpers:slow_writing_mlp",
+        f"model.kwargs.marker_dir={markers}",
+        "ckpt.every_epochs=0",  # saves every 10 steps only
+        f"run_dir={run_dir}",
+    ]
+    root = str(run_dir / "checkpoints")
+    for kill, step in enumerate((20, 30, 40)):  # each attempt's second save: killed mid-write
+        marker = markers / f"writing-{step}"
+        proc = spawn("train", *args)
+        wait_for(marker.exists, 120, f"the write of step {step}", proc)
+        proc.kill()
+        proc.wait()
+        assert "checkpoint" in marker.read_text()  # the writer thread, not the loop
+        assert store.latest_valid(root) == store.step_dir(root, step - 10), f"kill {kill + 1}"
+        assert any(n.startswith(f".step-{step:09d}.tmp-") for n in os.listdir(root))
+    p = trainer("train", *args)
+    assert f"resumed from {store.step_dir(root, 30)}" in p.stdout
+    assert _bitwise_equal(run_dir, uninterrupted_w1)
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(1, 70))
+    assert not [n for n in os.listdir(root) if n.startswith(".")]
+
+
 @pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.slow)])
 def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2, tmp_path, world):
     run_dir = tmp_path / "run"

@@ -119,6 +119,7 @@ def fit(run: Run) -> None:
     if run.results.eval_step != state.step:
         _evaluate(run, clock)
     check_log_at_end(run, clock)
+    run.ckpt.wait()  # a background save of the last step may make the final one moot
     if run.ckpt.last_saved_step != state.step:
         _save(run, clock, "final", must_succeed=True)
     run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
@@ -207,6 +208,7 @@ def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
     if error is None:  # the other ranks: the same errno, so the same exit code
         error = OSError(errno, os.strerror(errno)) if errno > 0 else OSError("write failed")
     step = run.state.step
+    run.ckpt.wait()
     if run.ckpt.last_saved_step == step:
         note = f"checkpoint at step {step} already saved"
     else:
@@ -237,6 +239,7 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
     if not agreed:
         return
     name, step = run.stop.name, run.state.step
+    run.ckpt.wait()
     if run.ckpt.last_saved_step == step:  # e.g. signalled during setup: nothing new to save
         raise Preempted(f"stopped by {name} at step {step} before training on")
     path = _save(run, clock, f"signal {name}", must_succeed=True)
@@ -268,6 +271,7 @@ def check_weights(run: Run) -> None:
 
 def _diverged(run: Run, what: str) -> None:
     """Exit 2, not 1 or 4: rerunning the same config diverges the same way; it needs a change."""
+    run.ckpt.wait()
     lr, kept = run.cfg.optim.lr, run.ckpt.last_saved_step
     raise ConfigError(
         f"training diverged: {what} at step {run.state.step}: lower optim.lr (now {lr:g}, e.g. "

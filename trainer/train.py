@@ -21,7 +21,7 @@ import torch
 
 from trainer import dryrun, loop, metrics, ranks, repro, rundir, strategy
 from trainer.checkpoint.weights import save_weights
-from trainer.config import Config, check_world_size, to_dict, to_yaml
+from trainer.config import Config, check_world_size, to_dict
 from trainer.errors import io_error
 from trainer.run import Run, build
 from trainer.signals import StopSignal
@@ -68,6 +68,7 @@ def _train(cfg, world, how, stop, started, dry_run) -> dict:
         try:
             loop.fit(run)
         finally:
+            run.ckpt.close()  # a background write in flight lands, whatever ended the loop
             run.log.close()
         return finish(run, record)
 
@@ -94,7 +95,7 @@ def record_start(run: Run) -> dict:
         try:
             os.makedirs(run.run_dir, exist_ok=True)
             with open(os.path.join(run.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                f.write(to_yaml(run.cfg))
+                f.write(run.ckpt.config_yaml)
             run_json = {**record, "started": run.started, "resumes": _resumes(run)}
             metrics.write_json(os.path.join(run.run_dir, "run.json"), run_json)
         except OSError as e:
@@ -175,7 +176,7 @@ def finish(run: Run, record: dict) -> dict:
     if w.is_main:
         final = os.path.join(run.run_dir, "final")
         try:
-            save_weights(weights, final, metadata={"config": to_yaml(run.cfg)})
+            save_weights(weights, final, metadata={"config": run.ckpt.config_yaml})
             metrics.write_json(os.path.join(run.run_dir, "summary.json"), summary)
         except OSError as e:
             raise io_error(

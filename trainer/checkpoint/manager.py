@@ -3,14 +3,21 @@
 Rank 0 picks the checkpoint and writes it; every rank loads it (the checkpoint directory must be
 storage all nodes share); every rank learns each outcome, so no rank waits on a peer that gave up.
 The on-disk format is store.py's.
+
+Scheduled saves of whole checkpoints (ckpt.async_save) stall the ranks only for a host copy of
+the state: rank 0 writes the files, checksums, manifest and rename in a background thread, one
+save at a time, and every rank learns the outcome at the next save, stop or end (`wait`). A save
+that must be on disk before the process goes on (a signal's, the final one) is written in place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -144,6 +151,22 @@ def choose_resume(resume: str, root: str, warn, skip=()) -> str | None:
 
 ROUTINE_SAVES = ("every_steps", "every_epochs", "final")
 """Saves on schedule: metrics.jsonl records only (one console line per epoch was noise)."""
+BACKGROUND_SAVES = ("every_steps", "every_epochs")
+"""Saves that may land after training went on: nothing waits for them to be on disk."""
+
+
+def host_copy(obj):
+    """`obj` with every tensor copied to the host and every container copied: a snapshot that
+    training can go on changing the original of (the optimizer updates its state in place)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(v) for v in obj)
+    return obj
 
 
 class Checkpointer:
@@ -154,7 +177,12 @@ class Checkpointer:
         self.cfg, self.world, self.step, self.log = cfg, world, step, log
         self.root = checkpoint_dir(cfg)
         self.last_saved_step: int | None = None
+        """The newest step whose checkpoint is on disk (a background write counts once waited)."""
         self.failures = 0
+        self._pending: int | None = None
+        """The step of the background write in flight (every rank knows it; rank 0 runs it)."""
+        self._future: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
         self.resumed_with: dict[str, list] = {}
         """The schedule-shaping keys the resume changed (SCHEDULE_KEYS): {key: [saved, now]}."""
 
@@ -330,41 +358,106 @@ class Checkpointer:
 
     def save(self, state: LoopState, results: Results, reason: str) -> str:
         """Write the run's next checkpoint (a collective), prune old ones, and say so; raises
-        CheckpointWriteError (ConfigError when ckpt.dir cannot be written at all) on every rank."""
+        CheckpointWriteError (ConfigError when ckpt.dir cannot be written at all) on every rank.
+        A background save returns once the state is copied; `wait` reports how it ended."""
         started = time.perf_counter()
-        path = self.write(self.root, state, results, reason)
-        if self.world.is_main:
-            store.prune(self.root, self.cfg.ckpt.keep_last)
-        self.last_saved_step = state.step
+        self.wait()  # at most one write in flight
+        background = (
+            self.cfg.ckpt.async_save
+            and reason in BACKGROUND_SAVES
+            and not self.step.strategy.sharded
+        )
+        path = self.write(self.root, state, results, reason, background=background)
+        if background:
+            self._pending = state.step
+        else:
+            if self.world.is_main:
+                store.prune(self.root, self.cfg.ckpt.keep_last)
+            self.last_saved_step = state.step
         took = time.perf_counter() - started
         record = {"kind": "checkpoint", "step": state.step, "reason": reason, "seconds": took}
-        self.log.record({**record, "path": path}, console=False)
+        self.log.record({**record, "background": background, "path": path}, console=False)
         if reason not in ROUTINE_SAVES:  # a save the user should see (a signal's): say so
             self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
         return path
 
-    def write(self, root: str, state: LoopState, results: Results, reason: str) -> str:
+    def wait(self) -> None:
+        """The background write in flight, if any, lands, and every rank learns how (a
+        collective when one is in flight). A failure is a warning, as any scheduled save's is:
+        the previous checkpoint is intact and training goes on."""
+        if self._pending is None:
+            return
+        step, self._pending = self._pending, None
+        outcome = None
+        if self.world.is_main:
+            assert self._future is not None
+            started = time.perf_counter()
+            outcome = (*self._future.result(), time.perf_counter() - started)
+            self._future = None
+        seconds, error, waited = ranks.broadcast_object(outcome)
+        if error:
+            self.failures += 1
+            self.log.info(f"WARNING: {error}; training continues, the next save will retry")
+            return
+        self.last_saved_step = step
+        record = {"kind": "checkpoint_written", "step": step, "seconds": seconds}
+        self.log.record({**record, "waited": waited}, console=False)
+
+    def close(self) -> None:
+        """Let a write in flight finish (this rank alone: no collective) and stop the thread."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def _in_background(self, step: int, job) -> None:
+        """Run `job` (which writes the checkpoint of `step`) on the writer thread."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._future = self._executor.submit(self._background_write, step, job)
+
+    def _background_write(self, step: int, job) -> tuple[float, str | None]:
+        """(seconds, None) once the checkpoint is in place and old ones pruned, else (seconds,
+        what went wrong). Never raises: the ranks learn the outcome from rank 0 in `wait`."""
+        started = time.perf_counter()
+        try:
+            job()
+            store.prune(self.root, self.cfg.ckpt.keep_last)
+            return time.perf_counter() - started, None
+        except Exception as e:
+            error, permanent = self._failure(self.root, step, e)
+            if permanent:
+                error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
+            return time.perf_counter() - started, error
+
+    def _failure(self, root: str, step: int, e: BaseException) -> tuple[str, bool]:
+        """What to say of a checkpoint that could not be written, and whether retrying is moot."""
+        return (
+            f"checkpoint at step {step} could not be written to {root} "
+            f"({store.describe_error(e)}); the previous checkpoint is intact: "
+            f"{store.latest_valid(self.root) or 'none yet'}",
+            is_permanent_io(store.root_cause(e)),
+        )
+
+    def write(
+        self, root: str, state: LoopState, results: Results, reason: str, background=False
+    ) -> str:
         """Write a full checkpoint of this step into `root` (a collective) and return its path;
         a failure raises on every rank. save() is the run's; the dry run writes to a scratch
-        folder."""
+        folder. `background`: rank 0 copies the state and hands the writing to its thread."""
         rngs = ranks.gather_objects(repro.rng_state(self.world.device))
         permanent = False
         try:
             if self.step.strategy.sharded:
                 path = self._write_sharded(root, state, results, reason, rngs)
             else:
-                path = self._write_whole(root, state, results, reason, rngs)
+                path = self._write_whole(root, state, results, reason, rngs, background)
             error = None
         except Exception as e:  # OSError, torch/safetensors/DCP write errors: disk full, I/O, ...
             path, error = None, store.describe_error(e)
-            permanent = is_permanent_io(store.root_cause(e))
-        if error and self.world.is_main:
-            error = (
-                f"checkpoint at step {state.step} could not be written to {root} ({error}); "
-                f"the previous checkpoint is intact: {store.latest_valid(self.root) or 'none yet'}"
-            )
-            if permanent:  # read-only, no permission, ...: no retry can help
-                error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
+            if self.world.is_main:
+                error, permanent = self._failure(root, state.step, e)
+        if error and self.world.is_main and permanent:  # read-only, ...: no retry can help
+            error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
         # Rank 0 wrote (or sealed) it: its outcome is everyone's.
         path, error, permanent = ranks.broadcast_object((path, error, error and permanent))
         if error:
@@ -372,18 +465,27 @@ class Checkpointer:
             raise (ConfigError if permanent else CheckpointWriteError)(error)
         return path
 
-    def _write_whole(self, root: str, state: LoopState, results: Results, reason: str, rngs):
+    def _write_whole(
+        self, root: str, state: LoopState, results: Results, reason: str, rngs, background: bool
+    ):
         """Rank 0 writes the whole checkpoint; the other ranks hold the same replica."""
         if not self.world.is_main:
             return None
-        trained = self.step.state_dict()
-        return store.write(
+        trained = self.step.state_dict()  # the model's weights: CPU copies already
+        model, optimizer = trained.pop("model"), trained.pop("optimizer")
+        common = self._common(state, results, reason, rngs, "whole", trained)
+        if not background:
+            return store.write(root, state.step, model=model, optimizer=optimizer, **common)
+        job = functools.partial(
+            store.write,
             root,
             state.step,
-            model=trained.pop("model"),
-            optimizer=trained.pop("optimizer"),
-            **self._common(state, results, reason, rngs, "whole", trained),
+            model=model,
+            optimizer=host_copy(optimizer),
+            **host_copy(common),
         )
+        self._in_background(state.step, job)
+        return store.step_dir(root, state.step)
 
     def _write_sharded(self, root: str, state: LoopState, results: Results, reason: str, rngs):
         """Every rank writes its shards into one temporary directory (rank 0 names it), which
@@ -439,11 +541,22 @@ class Checkpointer:
                 "restart_count": self.world.restart_count,
                 "time": time.time(),
                 "results": results.to_dict(),
-                "versions": metrics.versions(),
+                "versions": self._versions,
                 "kernels": repro.kernel_set(self.world.device),
             },
-            "config_yaml": to_yaml(self.cfg),
+            "config_yaml": self.config_yaml,
         }
+
+    # The same for every save of the run, and slow to make (OmegaConf: ~0.17 s a call here;
+    # package metadata ~0.02 s): once per run, not once per save.
+    @functools.cached_property
+    def config_yaml(self) -> str:
+        """The run's config as YAML: config.yaml in each checkpoint, the run folder and final/."""
+        return to_yaml(self.cfg)
+
+    @functools.cached_property
+    def _versions(self) -> dict:
+        return metrics.versions()
 
     def save_or_warn(self, state: LoopState, results: Results, reason: str) -> None:
         """Periodic saves: a failure is reported loudly but training goes on."""
