@@ -3,6 +3,7 @@
     make bench                                   # the GPU suite on a CUDA machine, else the CPU suite
     python bench/bench.py --suite cpu --reps 3 --out bench/results
     python bench/bench.py --suite cpu --reps 1 --quick --only "trainer, 1"   # machinery check only
+    python bench/bench.py --suite ckpt           # checkpoint stall per save: background vs blocking
 
 Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
 hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
@@ -114,6 +115,25 @@ CPU_GPT = [
     "train.max_steps=100",
     "log.every_steps=10",
 ]
+# Checkpoint stall: a GPT of 25M parameters (a 290 MB checkpoint with AdamW's state), sized so
+# that a blocking save takes seconds on this kind of disk; two ranks, a save every 2 steps.
+CKPT_BASE = [
+    "--config",
+    "stdlib-gpt",
+    "model.gpt.width=512",
+    "model.gpt.layers=8",
+    "model.gpt.heads=8",
+    "data.global_batch_size=4",
+    "data.text.max_test_bytes=4096",
+    "train.max_steps=8",
+    "log.every_steps=2",
+    "ckpt.every_steps=2",
+    "ckpt.every_epochs=0",
+    "ckpt.keep_last=2",
+    "log.tensorboard=false",
+    "log.progress=plain",
+    "dist.device=cpu",
+]
 QUICK = {  # --quick: a smoke test of the machinery, not a measurement
     "train.max_steps=600": "train.max_steps=60",
     "log.every_steps=50": "log.every_steps=10",
@@ -121,6 +141,8 @@ QUICK = {  # --quick: a smoke test of the machinery, not a measurement
     "log.every_steps=10": "log.every_steps=3",
     "train.max_steps=300": "train.max_steps=30",
     "log.every_steps=20": "log.every_steps=5",
+    "model.gpt.width=512": "model.gpt.width=64",
+    "train.max_steps=8": "train.max_steps=4",
 }
 WI = ("repro.world_invariant=true",)
 
@@ -185,6 +207,34 @@ def cpu_rows() -> list[Row]:
 
 
 # (ratio, numerator row, denominator row, target): ratios of the rows' medians.
+def ckpt_rows() -> list[Row]:
+    base, group = tuple(CKPT_BASE), "checkpoint stall per save, GPT 25M, 2 processes"
+    blocking = ("ckpt.async_save=false",)
+    return [
+        Row(
+            "DDP, blocking saves", "trainer", base + blocking, 2, metric="ckpt_stall_s", group=group
+        ),
+        Row("DDP, background saves", "trainer", base, 2, metric="ckpt_stall_s", group=group),
+        Row(
+            "FSDP, blocking saves",
+            "trainer",
+            (*base, "dist.strategy=fsdp", *blocking),
+            2,
+            metric="ckpt_stall_s",
+            group=group,
+        ),
+    ]
+
+
+CKPT_RATIOS = [
+    (
+        "checkpoint stall, background / blocking, DDP",
+        "DDP, background saves",
+        "DDP, blocking saves",
+        ("<=", 0.10),
+    ),
+]
+
 CPU_RATIOS = [
     ("trainer / bare, world 1", "trainer, 1 process", "bare loop, 1 process", 0.97),
     (
@@ -301,6 +351,17 @@ def train_windows(metrics_jsonl: str) -> list[float]:
     return [r["samples_per_s"] for r in records if r.get("kind") == "train"]
 
 
+def checkpoint_stalls(metrics_jsonl: str) -> tuple[list[float], list[float]]:
+    """(seconds the loop stalled for each scheduled save, seconds each background write took)
+    in a metrics.jsonl text; the final save, always written in place, is left out."""
+    records = [json.loads(line) for line in metrics_jsonl.splitlines() if line.strip()]
+    stalls = [
+        r["seconds"] for r in records if r.get("kind") == "checkpoint" and r["reason"] != "final"
+    ]
+    writes = [r["seconds"] for r in records if r.get("kind") == "checkpoint_written"]
+    return stalls, writes
+
+
 def first_step_time(metrics_jsonl: str) -> float | None:
     """The wall clock (time.time()) of the step-1 train record, None if step 1 was not logged."""
     for line in metrics_jsonl.splitlines():
@@ -346,6 +407,9 @@ def ratios(summaries: dict[str, dict], specs: list) -> dict[str, dict]:
             continue
         a, b = summaries[num], summaries[den]
         per_rep = [x / y for x, y in zip(a["values"], b["values"], strict=False) if y]
+        at_most = isinstance(target, tuple)  # ("<=", x): lower is better
+        if at_most:
+            target = target[1]
         out[name] = {
             "value": a["median"] / b["median"],
             "per_rep_min": min(per_rep) if per_rep else None,
@@ -353,8 +417,18 @@ def ratios(summaries: dict[str, dict], specs: list) -> dict[str, dict]:
             "numerator": num,
             "denominator": den,
             "target": target,
+            "at_most": at_most,
         }
     return out
+
+
+def meets(ratio: dict) -> bool | None:
+    """Whether a ratio meets its target (at least it, or at most it), None without one."""
+    if ratio["target"] is None:
+        return None
+    if ratio.get("at_most"):
+        return ratio["value"] <= ratio["target"]
+    return ratio["value"] >= ratio["target"]
 
 
 def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict) -> str:
@@ -373,7 +447,8 @@ def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict
             if r["per_rep_min"] is not None
             else ""
         )
-        target = f">= {r['target']:.2f}" if r["target"] is not None else ""
+        sign = "<=" if r.get("at_most") else ">="
+        target = f"{sign} {r['target']:.2f}" if r["target"] is not None else ""
         lines.append(f"  {name:46} {r['value']:6.3f}  {rng:15} {target}")
     return "\n".join(lines)
 
@@ -438,6 +513,9 @@ def run_row(row: Row, work: Path) -> dict:
         windows, first = train_windows(text), first_step_time(text)
         summary = json.loads((run_dir / "summary.json").read_text())
         out = {"peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib")}
+        stalls, writes = checkpoint_stalls(text)
+        if stalls:
+            out.update(ckpt_stall_s=statistics.median(stalls), stalls_s=stalls, writes_s=writes)
     result = {
         **out,
         "windows": windows,
@@ -446,7 +524,7 @@ def run_row(row: Row, work: Path) -> dict:
         "wall_s": wall,
         "command": " ".join(cmd),
     }
-    result["value"] = result[row.metric]
+    result["value"] = result.get(row.metric)
     if result["value"] is None:
         raise SystemExit(f"benchmark row {row.name!r} measured no {row.metric}")
     return result
@@ -497,9 +575,11 @@ def run_suite(
     only: list[str] | None = None,
     note: str | None = None,
 ) -> dict:
-    rows, specs, base = (
-        (gpu_rows(), GPU_RATIOS, GPU_BASE) if suite == "gpu" else (cpu_rows(), CPU_RATIOS, CPU_BASE)
-    )
+    rows, specs, base = {
+        "gpu": (gpu_rows(), GPU_RATIOS, GPU_BASE),
+        "cpu": (cpu_rows(), CPU_RATIOS, CPU_BASE),
+        "ckpt": (ckpt_rows(), CKPT_RATIOS, CKPT_BASE),
+    }[suite]
     if fast:
         rows = [quick(r) for r in rows]
     if only:
@@ -579,8 +659,8 @@ def ratio_bars(report: dict) -> list[dict]:
     its target, and a colour saying whether the median meets the target."""
     bars = []
     for name, r in report["ratios"].items():
-        target = r["target"]
-        color = NO_TARGET if target is None else MET if r["value"] >= target else MISSED
+        target, met = r["target"], meets(r)
+        color = NO_TARGET if met is None else MET if met else MISSED
         lo = r["value"] if r["per_rep_min"] is None else r["per_rep_min"]
         hi = r["value"] if r["per_rep_max"] is None else r["per_rep_max"]
         bars.append({"name": name, "value": r["value"], "lo": lo, "hi": hi, "target": target,
@@ -671,7 +751,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--suite", choices=("auto", "cpu", "gpu"), default="auto")
+    parser.add_argument(
+        "--suite",
+        choices=("auto", "cpu", "gpu", "ckpt"),
+        default="auto",
+        help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes)",
+    )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")
     parser.add_argument(

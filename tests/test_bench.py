@@ -79,7 +79,12 @@ def test_metrics_jsonl_windows_and_first_step():
 
 
 def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
-    for rows, specs in ((bench.cpu_rows(), bench.CPU_RATIOS), (bench.gpu_rows(), bench.GPU_RATIOS)):
+    suites = (
+        (bench.cpu_rows(), bench.CPU_RATIOS),
+        (bench.gpu_rows(), bench.GPU_RATIOS),
+        (bench.ckpt_rows(), bench.CKPT_RATIOS),
+    )
+    for rows, specs in suites:
         names = {r.name for r in rows}
         assert len(names) == len(rows)
         for _, num, den, _ in specs:
@@ -95,6 +100,27 @@ def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
     first = gpt["trainer, 1 process: to 1st step"].overrides
     assert "train.max_steps=1" in first and "log.every_steps=1" in first
     assert not any(a in first for a in ("train.max_steps=600", "log.every_steps=50"))
+
+
+def test_checkpoint_stalls_leave_out_the_final_save_and_an_at_most_target_is_met_below():
+    lines = [
+        {"kind": "checkpoint", "step": 2, "reason": "every_steps", "seconds": 0.2},
+        {"kind": "checkpoint_written", "step": 2, "seconds": 3.0, "waited": 0.0},
+        {"kind": "train", "step": 3, "samples_per_s": 5.0},
+        {"kind": "checkpoint", "step": 4, "reason": "every_steps", "seconds": 0.4},
+        {"kind": "checkpoint", "step": 6, "reason": "final", "seconds": 3.5},
+    ]
+    text = "\n".join(json.dumps(r) for r in lines) + "\n"
+    assert bench.checkpoint_stalls(text) == ([0.2, 0.4], [3.0])
+    summaries = {"bg": bench.summarize([0.3, 0.2]), "block": bench.summarize([3.0, 2.0])}
+    specs = [("bg / block", "bg", "block", ("<=", 0.10)), ("block / bg", "block", "bg", 0.5)]
+    r = bench.ratios(summaries, specs)
+    assert r["bg / block"]["value"] == pytest.approx(0.1) and r["bg / block"]["at_most"]
+    assert bench.meets(r["bg / block"]) and bench.meets(r["block / bg"])
+    r["bg / block"]["value"] = 0.11
+    assert not bench.meets(r["bg / block"])
+    rows = [bench.Row("bg", "trainer", metric="ckpt_stall_s"), bench.Row("block", "trainer")]
+    assert "<= 0.10" in bench.format_table(rows, summaries, r)
 
 
 @pytest.mark.slow
