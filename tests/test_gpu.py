@@ -81,8 +81,10 @@ GPT_GPU = [
 
 
 def test_fsdp_bf16_gpt_with_activation_checkpointing_on_the_gpu(tmp_path):
-    ref, run = tmp_path / "fp32", tmp_path / "fsdp"
-    trainer("train", *GPT_GPU, f"run_dir={ref}")
+    # Against plain bf16, not fp32: after 60 steps bf16 alone moved bits/byte 0.11 from fp32 on
+    # an H100 (torch 2.11), more than two fp32 seeds differ; FSDP + checkpointing added 0.017.
+    ref, run = tmp_path / "bf16", tmp_path / "fsdp"
+    trainer("train", *GPT_GPU, "train.precision=bf16", f"run_dir={ref}")
     trainer(
         "train", *GPT_GPU, "dist.strategy=fsdp", "train.precision=bf16",
         "train.activation_checkpointing=true", f"run_dir={run}", nproc=1, timeout=600,
@@ -90,7 +92,7 @@ def test_fsdp_bf16_gpt_with_activation_checkpointing_on_the_gpu(tmp_path):
     a = json.loads((ref / "summary.json").read_text())
     b = json.loads((run / "summary.json").read_text())
     assert b["memory"][0]["peak_gpu_bytes"] > 0
-    assert abs(b["eval"]["bits_per_byte"] - a["eval"]["bits_per_byte"]) < 0.1, (
+    assert abs(b["eval"]["bits_per_byte"] - a["eval"]["bits_per_byte"]) < 0.05, (
         a["eval"],
         b["eval"],
     )
