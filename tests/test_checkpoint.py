@@ -406,3 +406,27 @@ def test_a_background_save_holds_its_steps_state_while_training_goes_on(tmp_path
         assert _same(
             _contents(tmp_path / "async" / name), _contents(tmp_path / "blocking" / name)
         ), f"step {step}: the background checkpoint differs from the blocking one"
+
+
+def test_a_background_shard_write_holds_the_state_of_when_it_began(tmp_path):
+    """DCP's async save copies each rank's shards to host memory before it returns: changing
+    the weights and optimizer state right after does not reach the files."""
+    from trainer.checkpoint import sharded
+
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    written = sharded.save_in_background(model, opt, str(tmp_path), None)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    written.result()
+    saved = sharded.read_model(str(tmp_path))
+    assert saved.keys() == before.keys() and all(torch.equal(saved[k], before[k]) for k in before)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "dcp").write_text("a file where the shard folder goes")
+    with pytest.raises(sharded.ShardWriteError) as e:
+        sharded.save_in_background(model, opt, str(tmp_path / "bad"), None).result()
+    assert "\n" not in str(e.value)

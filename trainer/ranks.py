@@ -152,6 +152,7 @@ def from_process(device: str, backend: str, environ: Mapping[str, str]) -> World
 
 _control_group = None  # a gloo group, set by _init when the main backend is not gloo (nccl)
 _stop_group = None  # a gloo group of its own for the background stop vote (set when distributed)
+_writer_group = None  # a gloo group for background sharded checkpoint writes (made on first use)
 
 
 @contextlib.contextmanager
@@ -229,10 +230,10 @@ def unresolved(host: str | None) -> str | None:
 
 
 def _teardown() -> None:
-    global _control_group, _stop_group
+    global _control_group, _stop_group, _writer_group
     import torch.distributed as dist
 
-    _control_group = _stop_group = None
+    _control_group = _stop_group = _writer_group = None
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -276,6 +277,18 @@ def control_group():
 def stop_group():
     """The gloo group of the background stop-flag all-reduce (None in a single process)."""
     return _stop_group
+
+
+def writer_group():
+    """A gloo group of its own for the collectives of a background checkpoint write (DCP's plan
+    and metadata exchange run on its thread while training uses the others). A collective the
+    first time: every rank calls it at the same save."""
+    global _writer_group
+    import torch.distributed as dist
+
+    if _writer_group is None:
+        _writer_group = dist.new_group(backend="gloo")
+    return _writer_group
 
 
 def _joined() -> bool:

@@ -4,10 +4,11 @@ Rank 0 picks the checkpoint and writes it; every rank loads it (the checkpoint d
 storage all nodes share); every rank learns each outcome, so no rank waits on a peer that gave up.
 The on-disk format is store.py's.
 
-Scheduled saves of whole checkpoints (ckpt.async_save) stall the ranks only for a host copy of
-the state: rank 0 writes the files, checksums, manifest and rename in a background thread, one
-save at a time, and every rank learns the outcome at the next save, stop or end (`wait`). A save
-that must be on disk before the process goes on (a signal's, the final one) is written in place.
+Scheduled saves (ckpt.async_save) stall the ranks only for a host copy of the state: rank 0
+writes the files, checksums, manifest and rename in a background thread (under fsdp, after every
+rank's shards, which DCP writes on its own thread), one save at a time, and every rank learns the
+outcome at the next save, stop or end (`wait`). A save that must be on disk before the process
+goes on (a signal's, the final one) is written in place.
 """
 
 from __future__ import annotations
@@ -182,6 +183,9 @@ class Checkpointer:
         self._pending: int | None = None
         """The step of the background write in flight (every rank knows it; rank 0 runs it)."""
         self._future: Future | None = None
+        """Rank 0: the writer thread's job (its outcome is everyone's)."""
+        self._shards: Future | None = None
+        """Other ranks, sharded: their own shards' background write."""
         self._executor: ThreadPoolExecutor | None = None
         self.resumed_with: dict[str, list] = {}
         """The schedule-shaping keys the resume changed (SCHEDULE_KEYS): {key: [saved, now]}."""
@@ -362,11 +366,7 @@ class Checkpointer:
         A background save returns once the state is copied; `wait` reports how it ended."""
         started = time.perf_counter()
         self.wait()  # at most one write in flight
-        background = (
-            self.cfg.ckpt.async_save
-            and reason in BACKGROUND_SAVES
-            and not self.step.strategy.sharded
-        )
+        background = self.cfg.ckpt.async_save and reason in BACKGROUND_SAVES
         path = self.write(self.root, state, results, reason, background=background)
         if background:
             self._pending = state.step
@@ -388,6 +388,7 @@ class Checkpointer:
         if self._pending is None:
             return
         step, self._pending = self._pending, None
+        self._own_shards_written()
         outcome = None
         if self.world.is_main:
             assert self._future is not None
@@ -405,9 +406,18 @@ class Checkpointer:
 
     def close(self) -> None:
         """Let a write in flight finish (this rank alone: no collective) and stop the thread."""
+        self._own_shards_written()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None
+
+    def _own_shards_written(self) -> None:
+        """A rank other than 0 waits for its shards' background write: one DCP write in flight
+        per rank. How it went is rank 0's to say (DCP gathers every rank's result there)."""
+        shards, self._shards = self._shards, None
+        if shards is not None:
+            with contextlib.suppress(Exception):
+                shards.result()
 
     def _in_background(self, step: int, job) -> None:
         """Run `job` (which writes the checkpoint of `step`) on the writer thread."""
@@ -448,7 +458,7 @@ class Checkpointer:
         permanent = False
         try:
             if self.step.strategy.sharded:
-                path = self._write_sharded(root, state, results, reason, rngs)
+                path = self._write_sharded(root, state, results, reason, rngs, background)
             else:
                 path = self._write_whole(root, state, results, reason, rngs, background)
             error = None
@@ -487,9 +497,13 @@ class Checkpointer:
         self._in_background(state.step, job)
         return store.step_dir(root, state.step)
 
-    def _write_sharded(self, root: str, state: LoopState, results: Results, reason: str, rngs):
+    def _write_sharded(
+        self, root: str, state: LoopState, results: Results, reason: str, rngs, background: bool
+    ):
         """Every rank writes its shards into one temporary directory (rank 0 names it), which
-        rank 0 then seals with the common files and the manifest and renames into place."""
+        rank 0 then seals with the common files and the manifest and renames into place. In the
+        background: every rank copies its shards to host memory and DCP writes them on its own
+        thread; rank 0's writer thread waits for all of them, then seals and renames."""
         path = store.step_dir(root, state.step)
         tmp, error = None, None
         if self.world.is_main:
@@ -503,22 +517,51 @@ class Checkpointer:
         from trainer.checkpoint import sharded
 
         try:
+            if background:
+                group = ranks.writer_group()
+                written = sharded.save_in_background(
+                    self.step.model, self.step.optimizer, tmp, group
+                )
+                if not self.world.is_main:
+                    self._shards = written
+                    return None
+                common = self._common(state, results, reason, rngs, "sharded", self._schedule())
+                seal = functools.partial(self._seal, written, tmp, path, host_copy(common))
+                self._in_background(state.step, seal)
+                return path
             sharded.save(self.step.model, self.step.optimizer, tmp)  # any rank's failure: all raise
             if self.world.is_main:
-                missing = sharded.missing_shards(tmp)
-                if missing:
-                    raise OSError(
-                        f"shards {', '.join(missing[:3])} never arrived: ckpt.dir must be storage "
-                        "every node mounts (a shared volume / RWX PVC)"
-                    )
-                trained = self.step.state_dict(tensors=False)
-                store.seal(tmp, **self._common(state, results, reason, rngs, "sharded", trained))
-                store.commit(tmp, path)
+                common = self._common(state, results, reason, rngs, "sharded", self._schedule())
+                self._seal(None, tmp, path, common)
         except BaseException:
             if self.world.is_main:
                 store.abort(tmp)
             raise
         return path if self.world.is_main else None
+
+    def _schedule(self) -> dict:
+        return self.step.state_dict(tensors=False)
+
+    @staticmethod
+    def _seal(written: Future | None, tmp: str, path: str, common: dict) -> None:
+        """Rank 0, once every rank's shards are in `tmp` (`written`: their background write):
+        add the common files and the manifest, and rename it into place; a failure removes it."""
+        from trainer.checkpoint import sharded
+
+        try:
+            if written is not None:
+                written.result()  # ShardWriteError when any rank could not write
+            missing = sharded.missing_shards(tmp)
+            if missing:
+                raise OSError(
+                    f"shards {', '.join(missing[:3])} never arrived: ckpt.dir must be storage "
+                    "every node mounts (a shared volume / RWX PVC)"
+                )
+            store.seal(tmp, **common)
+            store.commit(tmp, path)
+        except BaseException:
+            store.abort(tmp)
+            raise
 
     def _common(
         self, state: LoopState, results: Results, reason: str, rngs, fmt: str, trained: dict

@@ -125,6 +125,35 @@ def save(model: torch.nn.Module, optimizer, folder: str) -> None:
         raise ShardWriteError(describe_error(e)) from None
 
 
+def save_in_background(model: torch.nn.Module, optimizer, folder: str, group):
+    """Start save() in the background (a collective): every rank copies its shards to host
+    memory now and writes them on DCP's thread, whose plan and metadata exchange run on `group`.
+    Returns a Future; its result() raises ShardWriteError when any rank could not write."""
+    from concurrent.futures import Future
+
+    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
+    writer = dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True)
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    upload = dcp.async_save(
+        {"model": model_state, "optim": optim_state},
+        storage_writer=writer,
+        planner=planner,
+        process_group=group,
+    )
+    upload = getattr(upload, "upload_completion", upload)  # AsyncSaveResponse or a Future
+    done: Future = Future()
+
+    def settle(f: Future) -> None:
+        error = f.exception()
+        if error is None:
+            done.set_result(None)
+        else:
+            done.set_exception(ShardWriteError(describe_error(error)))
+
+    upload.add_done_callback(settle)
+    return done
+
+
 def missing_shards(folder: str) -> list[str]:
     """Shard files the metadata names that are not in folder/dcp: another node wrote them to
     storage this one cannot see."""

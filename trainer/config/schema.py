@@ -314,10 +314,10 @@ class CkptConfig:
     keep_last: int = 3
     """Keep the newest N checkpoints; older ones are deleted after a successful save."""
     async_save: bool = True
-    """Scheduled saves (every_steps, every_epochs) of whole checkpoints (strategy none, ddp,
-    dp) stall training only for a host copy of the state; rank 0 writes, checksums and renames
-    it in the background, one save at a time. Signal and final saves are always written in
-    place; sharded (fsdp) saves too. false: every save blocks until it is on disk."""
+    """Scheduled saves (every_steps, every_epochs) stall training only for a host copy of the
+    state (under fsdp, each rank's shards); it is written, checksummed and renamed into place in
+    the background, one save at a time. Signal and final saves are always written in place.
+    false: every save blocks until it is on disk."""
     resume: str = "auto"
     """auto (newest checkpoint in `dir` that verifies) | never | PATH (a checkpoint or run dir)."""
     init_weights: str | None = None
