@@ -188,3 +188,32 @@ def test_the_readmes_example_error_is_what_the_command_prints(monkeypatch, tmp_p
     code, _, err = _run(shlex.split(shown[1])[1:])
     assert code == 2 and err.strip() == shown[2]
     assert not list(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_the_gpu_ratios_in_docs_benchmarks_are_the_committed_results():
+    measured = _section(DOCS["benchmarks.md"], "### Measured on an H100")
+    results = ROOT / "bench" / "results"
+    runs = [json.loads((results / f"gpu-nvidia-h100-80gb-hbm3{s}.json").read_text())
+            for s in ("", "-compile-rerun")]  # fmt: skip
+    full = runs[0]["ratios"]
+    rows = [cells for cells in _table(measured) if cells[0] in full]
+    assert len(rows) == len(full)
+    for name, value, spread, target in rows:
+        r = full[name]
+        assert value == f"{r['value']:.3f}", name
+        assert spread == f"{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}", name
+        assert target == (f">= {r['target']:.2f}" if r["target"] else ""), name
+    text = " ".join(measured.split())
+    rerun = runs[1]["ratios"]["trainer / bare loop, bf16+cl+compile"]
+    assert f"{rerun['value']:.3f} ({rerun['per_rep_min']:.3f}-{rerun['per_rep_max']:.3f})" in text
+    median = {(i, r["name"]): r["median"] for i, run in enumerate(runs) for r in run["rows"]}
+    quoted = [
+        (0, "bare loop fp32"),
+        (0, "trainer bf16 + channels_last"),
+        (1, "trainer bf16 + channels_last + compile"),
+        (1, "trainer bf16 + channels_last"),
+    ]
+    for key in quoted:
+        assert f"{median[key]:,.0f}" in text, key
+    mfu = next(r["mfu_bf16"] for r in runs[0]["rows"] if r["name"] == quoted[1][1])
+    assert f"MFU {mfu:.1%}" in text
