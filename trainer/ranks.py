@@ -153,6 +153,7 @@ def from_process(device: str, backend: str, environ: Mapping[str, str]) -> World
 _control_group = None  # a gloo group, set by _init when the main backend is not gloo (nccl)
 _stop_group = None  # a gloo group of its own for the background stop vote (set when distributed)
 _writer_group = None  # a gloo group for background sharded checkpoint writes (made on first use)
+_timeout = None  # dist.timeout_s of the job's groups, for the ones made later
 
 
 @contextlib.contextmanager
@@ -172,7 +173,7 @@ def process_group(world: World, timeout_s: int, *, even_alone: bool = False):
 
 
 def _init(world: World, timeout_s: int, even_alone: bool) -> None:
-    global _control_group, _stop_group
+    global _control_group, _stop_group, _timeout
     import torch
     import torch.distributed as dist
 
@@ -181,6 +182,7 @@ def _init(world: World, timeout_s: int, even_alone: bool) -> None:
     if not (world.distributed or even_alone):
         return
     kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    _timeout = kwargs["timeout"]
     if world.backend == "nccl":
         # Eager NCCL init: a broken GPU or network fails here, not in the first step.
         kwargs["device_id"] = torch.device(world.device)
@@ -287,7 +289,7 @@ def writer_group():
     import torch.distributed as dist
 
     if _writer_group is None:
-        _writer_group = dist.new_group(backend="gloo")
+        _writer_group = dist.new_group(backend="gloo", timeout=_timeout)
     return _writer_group
 
 
