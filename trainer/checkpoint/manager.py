@@ -395,9 +395,11 @@ class Checkpointer:
             started = time.perf_counter()
             outcome = (*self._future.result(), time.perf_counter() - started)
             self._future = None
-        seconds, error, waited = ranks.broadcast_object(outcome)
+        seconds, error, permanent, waited = ranks.broadcast_object(outcome)
         if error:
             self.failures += 1
+            if permanent:  # no later save can succeed either: exit 2 now, as a blocking save
+                raise ConfigError(error)
             self.log.info(f"WARNING: {error}; training continues, the next save will retry")
             return
         self.last_saved_step = step
@@ -425,28 +427,29 @@ class Checkpointer:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self._future = self._executor.submit(self._background_write, step, job)
 
-    def _background_write(self, step: int, job) -> tuple[float, str | None]:
-        """(seconds, None) once the checkpoint is in place and old ones pruned, else (seconds,
-        what went wrong). Never raises: the ranks learn the outcome from rank 0 in `wait`."""
+    def _background_write(self, step: int, job) -> tuple[float, str | None, bool]:
+        """(seconds, None, False) once the checkpoint is in place and old ones pruned, else
+        (seconds, what went wrong, whether retrying is moot). Never raises: the ranks learn the
+        outcome from rank 0 in `wait`."""
         started = time.perf_counter()
         try:
             job()
             store.prune(self.root, self.cfg.ckpt.keep_last)
-            return time.perf_counter() - started, None
+            return time.perf_counter() - started, None, False
         except Exception as e:
-            error, permanent = self._failure(self.root, step, e)
-            if permanent:
-                error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
-            return time.perf_counter() - started, error
+            return time.perf_counter() - started, *self._failure(self.root, step, e)
 
     def _failure(self, root: str, step: int, e: BaseException) -> tuple[str, bool]:
-        """What to say of a checkpoint that could not be written, and whether retrying is moot."""
-        return (
+        """What to say of a checkpoint that could not be written, and whether retrying is moot
+        (read-only, no permission, ...: then the line says where to point ckpt.dir)."""
+        error = (
             f"checkpoint at step {step} could not be written to {root} "
             f"({store.describe_error(e)}); the previous checkpoint is intact: "
-            f"{store.latest_valid(self.root) or 'none yet'}",
-            is_permanent_io(store.root_cause(e)),
+            f"{store.latest_valid(self.root) or 'none yet'}"
         )
+        if permanent := is_permanent_io(store.root_cause(e)):
+            error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
+        return error, permanent
 
     def write(
         self, root: str, state: LoopState, results: Results, reason: str, background=False
@@ -466,8 +469,6 @@ class Checkpointer:
             path, error = None, store.describe_error(e)
             if self.world.is_main:
                 error, permanent = self._failure(root, state.step, e)
-        if error and self.world.is_main and permanent:  # read-only, ...: no retry can help
-            error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
         # Rank 0 wrote (or sealed) it: its outcome is everyone's.
         path, error, permanent = ranks.broadcast_object((path, error, error and permanent))
         if error:
