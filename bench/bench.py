@@ -118,13 +118,13 @@ CPU_GPT = [
     "train.max_steps=100",
     "log.every_steps=10",
 ]
-# Checkpoint stall: a GPT of 25M parameters (a 290 MB checkpoint with AdamW's state), sized so
-# that a blocking save takes seconds on this kind of disk; two ranks, a save every 2 steps
+# Checkpoint stall: a GPT of 39M parameters (a 470 MB checkpoint with AdamW's state), sized so
+# that a blocking save takes 2 s or more on this kind of disk (25M took 1.4 s); two ranks, a save every 2 steps
 # (steps 2, 4 and 6 in the background or not; 8, the final one, always in place).
 CKPT_BASE = [
     "--config",
     "stdlib-gpt",
-    "model.gpt.width=512",
+    "model.gpt.width=640",
     "model.gpt.layers=8",
     "model.gpt.heads=8",
     "data.global_batch_size=4",
@@ -145,7 +145,7 @@ QUICK = {  # --quick: a smoke test of the machinery, not a measurement
     "log.every_steps=10": "log.every_steps=3",
     "train.max_steps=300": "train.max_steps=30",
     "log.every_steps=20": "log.every_steps=5",
-    "model.gpt.width=512": "model.gpt.width=64",
+    "model.gpt.width=640": "model.gpt.width=64",
     "train.max_steps=8": "train.max_steps=4",
 }
 WI = ("repro.world_invariant=true",)
@@ -213,7 +213,7 @@ def cpu_rows() -> list[Row]:
 # (ratio, numerator row, denominator row, target): ratios of the rows' medians.
 def ckpt_rows() -> list[Row]:
     """The stall of each scheduled save (the final one, always in place, left out)."""
-    base, group = tuple(CKPT_BASE), "checkpoint stall per save, GPT 25M, 2 processes"
+    base, group = tuple(CKPT_BASE), "checkpoint stall per save, GPT 39M, 2 processes"
     blocking = ("ckpt.async_save=false",)
     return [
         Row(

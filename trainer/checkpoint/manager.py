@@ -187,6 +187,8 @@ class Checkpointer:
         self._shards: Future | None = None
         """Other ranks, sharded: their own shards' background write."""
         self._executor: ThreadPoolExecutor | None = None
+        self._stager = None
+        """Sharded background saves: host buffers for the shards, reused from save to save."""
         self.resumed_with: dict[str, list] = {}
         """The schedule-shaping keys the resume changed (SCHEDULE_KEYS): {key: [saved, now]}."""
 
@@ -520,8 +522,10 @@ class Checkpointer:
         try:
             if background:
                 group = ranks.writer_group()
+                if self._stager is None:
+                    self._stager = sharded.HostCopy()
                 written = sharded.save_in_background(
-                    self.step.model, self.step.optimizer, tmp, group
+                    self.step.model, self.step.optimizer, tmp, group, self._stager
                 )
                 if not self.world.is_main:
                     self._shards = written
