@@ -217,3 +217,22 @@ def test_the_gpu_ratios_in_docs_benchmarks_are_the_committed_results():
         assert f"{median[key]:,.0f}" in text, key
     mfu = next(r["mfu_bf16"] for r in runs[0]["rows"] if r["name"] == quoted[1][1])
     assert f"MFU {mfu:.1%}" in text
+
+
+def test_the_checkpoint_stall_tables_in_docs_benchmarks_are_the_committed_results():
+    measured = _section(DOCS["benchmarks.md"], "### Checkpoint stall, measured here")
+    ckpt = json.loads((ROOT / "bench" / "results" / "ckpt-cpu.json").read_text())
+    rows, ratios = {r["name"]: r for r in ckpt["rows"]}, ckpt["ratios"]
+    checked = 0
+    for cells in _table(measured):
+        if cells[0] in rows:
+            r = rows[cells[0]]
+            assert cells[1:] == [f"{r['median']:.2f} s", f"{r['min']:.2f}-{r['max']:.2f}"], cells
+        elif cells[0] in ratios:
+            r = ratios[cells[0]]
+            spread = f"{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}"
+            assert cells[1:] == [f"{r['value']:.3f}", spread, f"<= {r['target']:.2f}"], cells
+        else:
+            continue
+        checked += 1
+    assert checked == len(rows) + len(ratios)
