@@ -762,9 +762,16 @@ def test_other_tracebacks_pass_whole_and_in_order():
         b'  File "my_script.py", line 3, in <module>\n',
         b"ValueError: bad\n",
     ]
-    # A worker's own traceback before anything else was printed: held to its end, then printed
+    # A worker's own traceback before anything else was printed: printed whole at its last line
     assert launched([*worker, b"after\n"]) == [r.decode().rstrip() for r in [*worker, b"after\n"]]
     assert launched(worker) == [r.decode().rstrip() for r in worker]
+    from trainer.launch import StderrFilter
+
+    out = io.StringIO()
+    live = StderrFilter(out)
+    for raw in worker:
+        live.feed(raw)
+    assert out.getvalue().splitlines() == [r.decode().rstrip() for r in worker]  # not held on
     # Once something was printed, a rendezvous failure is nobody's to drop: kept whole
     raws = [b"epoch 1\n", *TORCHRUN_RENDEZVOUS]
     assert launched(raws) == [r.decode().rstrip() for r in raws]

@@ -385,8 +385,8 @@ class Checkpointer:
 
     def wait(self) -> None:
         """The background write in flight, if any, lands, and every rank learns how (a
-        collective when one is in flight). A failure is a warning, as any scheduled save's is:
-        the previous checkpoint is intact and training goes on."""
+        collective when one is in flight). A failure is a warning, as any scheduled save's is
+        (the previous checkpoint is intact), except one no retry can fix: ConfigError, exit 2."""
         if self._pending is None:
             return
         step, self._pending = self._pending, None
@@ -444,10 +444,13 @@ class Checkpointer:
     def _failure(self, root: str, step: int, e: BaseException) -> tuple[str, bool]:
         """What to say of a checkpoint that could not be written, and whether retrying is moot
         (read-only, no permission, ...: then the line says where to point ckpt.dir)."""
+        try:
+            previous = store.latest_valid(self.root) or "none yet"
+        except Exception:  # the storage that just failed may fail this read too
+            previous = f"the newest valid one in {self.root}"
         error = (
             f"checkpoint at step {step} could not be written to {root} "
-            f"({store.describe_error(e)}); the previous checkpoint is intact: "
-            f"{store.latest_valid(self.root) or 'none yet'}"
+            f"({store.describe_error(e)}); the previous checkpoint is intact: {previous}"
         )
         if permanent := is_permanent_io(store.root_cause(e)):
             error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"

@@ -172,7 +172,10 @@ def save_in_background(model: torch.nn.Module, optimizer, folder: str, group, st
     done: Future = Future()
 
     def settle(f: Future) -> None:
-        error = f.exception()
+        try:
+            error = f.exception()
+        except BaseException as e:  # cancelled
+            error = e
         if error is None:
             done.set_result(None)
         else:

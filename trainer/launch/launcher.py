@@ -391,7 +391,7 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
         rc = signals.child.wait()
         code = exit_code(rc, status_dir, signals.last)
         line = node_message(status_dir, code) if rc != 0 else None
-        if line is None and rc != 0 and out.rendezvous and plan.rendezvous:
+        if line is None and rc != 0 and out.rendezvous and plan.rendezvous and not signals.last:
             line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
         out.finish(line)
         return code
@@ -401,7 +401,7 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
 
 
 RENDEZVOUS_FAILURE = re.compile(
-    rb"^torch\.distributed\.elastic\.rendezvous\.api\.(Rendezvous\w*Error)\b:? ?(.*)"
+    rb"^torch\.distributed\.elastic\.rendezvous\.api\.(Rendezvous(?!GracefulExit)\w*Error)\b:? ?(.*)"
 )
 """The last line of torchrun's traceback when this node could not join the others."""
 
@@ -416,6 +416,8 @@ class Traceback:
         self.exceptions: list[bytes] = []
         """Each part's final line (`module.Type: message`), innermost cause first."""
         self._state = "frames"
+        self.judged = False
+        """Its last line settles what it is: no need to wait for the next line."""
 
     def take(self, raw: bytes) -> bool:
         """Whether `raw` continues the traceback (then it is kept); False: it ended before."""
@@ -426,6 +428,13 @@ class Traceback:
         elif state == "frames" and text:
             self.exceptions.append(text)
             self._state = "exception"
+            self.lines.append(raw)
+            # Judged at once unless it may be the inner cause of torchrun's rendezvous failure
+            # (a torch.distributed error): a worker's traceback is never held for longer.
+            self.judged = bool(RENDEZVOUS_FAILURE.match(text)) or not text.startswith(
+                b"torch.distributed."
+            )
+            return True
         elif state in ("exception", "cause") and not text:
             pass
         elif state == "exception" and text.startswith(self.CHAINED):
@@ -485,6 +494,8 @@ class StderrFilter:
     def feed(self, raw: bytes) -> None:
         if self.block is not None:
             if self.block.take(raw):
+                if self.block.judged:
+                    self._end_block()
                 return
             self._end_block()
         if self.tail:
@@ -520,7 +531,8 @@ class StderrFilter:
         if block.complete() and RENDEZVOUS_FAILURE.match(block.exceptions[-1]):
             self.rendezvous = block
         else:
-            self._write(*block.lines)
+            self._write(*self.held, *block.lines)
+            self.held.clear()
             self.started = True
 
     def close(self) -> None:
