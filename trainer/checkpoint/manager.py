@@ -523,6 +523,10 @@ class Checkpointer:
         from trainer.checkpoint import sharded
 
         try:
+            common = None
+            if self.world.is_main:
+                schedule = self.step.state_dict(tensors=False)
+                common = self._common(state, results, reason, rngs, "sharded", schedule)
             if background:
                 group = ranks.writer_group()
                 if self._stager is None:
@@ -533,22 +537,17 @@ class Checkpointer:
                 if not self.world.is_main:
                     self._shards = written
                     return None
-                common = self._common(state, results, reason, rngs, "sharded", self._schedule())
                 seal = functools.partial(self._seal, written, tmp, path, host_copy(common))
                 self._in_background(state.step, seal)
                 return path
             sharded.save(self.step.model, self.step.optimizer, tmp)  # any rank's failure: all raise
             if self.world.is_main:
-                common = self._common(state, results, reason, rngs, "sharded", self._schedule())
                 self._seal(None, tmp, path, common)
         except BaseException:
             if self.world.is_main:
                 store.abort(tmp)
             raise
         return path if self.world.is_main else None
-
-    def _schedule(self) -> dict:
-        return self.step.state_dict(tensors=False)
 
     @staticmethod
     def _seal(written: Future | None, tmp: str, path: str, common: dict) -> None:

@@ -111,16 +111,21 @@ class ShardWriteError(Exception):
     which the checkpointer's recovery from a failed save would not catch)."""
 
 
-def save(model: torch.nn.Module, optimizer, folder: str) -> None:
-    """Every rank writes its shards of model and optimizer into folder/dcp (a collective).
-    Replicated tensors (BatchNorm statistics) are written by the lowest rank holding them."""
+def _save_args(model: torch.nn.Module, optimizer, folder: str) -> dict:
+    """What dcp.save and dcp.async_save take: this rank's shards, the writer into folder/dcp,
+    and a planner that writes replicated tensors (BatchNorm statistics) from the lowest rank."""
     model_state, optim_state = get_state_dict(unwrap(model), optimizer)
-    writer = dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True)
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+    return {
+        "state_dict": {"model": model_state, "optim": optim_state},
+        "storage_writer": dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True),
+        "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+    }
+
+
+def save(model: torch.nn.Module, optimizer, folder: str) -> None:
+    """Every rank writes its shards of model and optimizer into folder/dcp (a collective)."""
     try:
-        dcp.save(
-            {"model": model_state, "optim": optim_state}, storage_writer=writer, planner=planner
-        )
+        dcp.save(**_save_args(model, optimizer, folder))
     except CheckpointException as e:
         raise ShardWriteError(describe_error(e)) from None
 
@@ -158,13 +163,8 @@ def save_in_background(model: torch.nn.Module, optimizer, folder: str, group, st
     Returns a Future; its result() raises ShardWriteError when any rank could not write."""
     from concurrent.futures import Future
 
-    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
-    writer = dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True)
-    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     upload = dcp.async_save(
-        {"model": model_state, "optim": optim_state},
-        storage_writer=writer,
-        planner=planner,
+        **_save_args(model, optimizer, folder),
         process_group=group,
         async_stager=stager,  # None: the writer's own (fresh host buffers every save)
     )
