@@ -9,9 +9,15 @@ permutation, and each step a plain slice of it: the global batch at world 1, ran
 share of it under DDP (torch.distributed + DistributedDataParallel, same global batch). No
 sampler, logging, checkpoints or stop checks.
 
+A language model (data.name=text) is trained the way nanoGPT's train.py does it: each step each
+rank draws its share of the global batch as random windows of the token stream (get_batch), the
+mean cross-entropy over every position, gradient clipping (train.clip_grad_norm) and the lr of the
+config's schedule set on the optimizer by hand before the step (nanoGPT's get_lr).
+
 It times windows of EVERY steps like the trainer's log records (the device synchronised at each
-window's edges) and prints one JSON line on rank 0: the windows' global samples/s, and the wall
-clock (time.time()) when the first step finished, for the launch-to-first-step startup row.
+window's edges) and prints one JSON line on rank 0: the windows' global samples/s (sequences
+for a language model), and the wall clock (time.time()) when the first step finished, for the
+launch-to-first-step startup row.
 """
 
 from __future__ import annotations
@@ -22,6 +28,20 @@ import sys
 import time
 
 
+def _schedule(cfg, schedule_cls, total: int):
+    """The config's lr multiplier as a function of the step (the trainer's own schedule)."""
+    return schedule_cls(
+        name=cfg.sched.name,
+        total_steps=total,
+        steps_per_epoch=total,
+        warmup_steps=cfg.sched.warmup_steps,
+        step_size_epochs=cfg.sched.step_size_epochs,
+        gamma=cfg.sched.gamma,
+        min_lr_ratio=cfg.sched.min_lr_ratio,
+        pct_start=cfg.sched.pct_start,
+    )
+
+
 def main(argv: list[str]) -> int:
     steps, every, overrides = int(argv[0]), int(argv[1]), argv[2:]
 
@@ -30,6 +50,7 @@ def main(argv: list[str]) -> int:
     import torch.nn.functional as F
 
     from trainer import config, data, models, optim
+    from trainer.optim import Schedule
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -49,9 +70,14 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.seed)  # same model init and permutation on every rank
     spec = data.build(cfg.data, cfg.seed, "cpu")
     ds = spec.train
-    x = data.pixels_to_float(ds.x, ds.mean, ds.std).to(device)
-    y = ds.y.to(device)
-    model = models.build(cfg.model, spec.in_shape, spec.num_classes).to(device)
+    lm = spec.task == "lm"
+    if lm:
+        tokens, seq = ds.tokens.to(device), cfg.data.text.seq_len
+        x = y = None
+    else:
+        x = data.pixels_to_float(ds.x, ds.mean, ds.std).to(device)
+        y = ds.y.to(device)
+    model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(device)
     if cfg.train.channels_last:
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -60,11 +86,43 @@ def main(argv: list[str]) -> int:
     opt = optim.build_optimizer(cfg.optim, model.parameters())
     net = torch.compile(model) if cfg.train.compile else model
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.train.precision)
-    batch, n = cfg.data.global_batch_size, len(x)
+    batch = cfg.data.global_batch_size
     share = batch // world
-    perm = torch.randperm(n, device=device)
+    if lm:
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1000 + rank)
+        offsets = torch.arange(seq, device=device)
+        sched, base_lr, clip = (
+            _schedule(cfg, Schedule, steps),
+            cfg.optim.lr,
+            cfg.train.clip_grad_norm,
+        )
+
+        def get_batch() -> tuple:
+            ix = torch.randint(len(tokens) - seq - 1, (share,), device=device, generator=gen)
+            window = tokens[ix[:, None] + offsets]
+            target = tokens[ix[:, None] + offsets + 1]
+            return window.long(), target.long()
+
+        def lm_step(i: int) -> None:
+            for group in opt.param_groups:
+                group["lr"] = base_lr * sched(i)
+            inputs, targets = get_batch()
+            with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):
+                logits = net(inputs)
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    else:
+        perm = torch.randperm(len(x), device=device)
 
     def step(i: int) -> None:
+        if lm:
+            return lm_step(i)
+        n = len(x)
         start = (i * batch) % (n - batch)
         idx = perm[start + rank * share : start + (rank + 1) * share]
         with torch.autocast(torch.device(device).type, dtype=dtype, enabled=dtype is not None):

@@ -4,6 +4,7 @@
     python bench/bench.py --suite cpu --reps 3 --out bench/results
     python bench/bench.py --suite cpu --reps 1 --quick --only "trainer, 1"   # machinery check only
     python bench/bench.py --suite ckpt           # checkpoint stall per save: background vs blocking
+    python bench/bench.py --suite sweep          # GPT cost against width (4 sizes), world 1 and 2
 
 Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
 hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -184,7 +186,9 @@ def cpu_rows() -> list[Row]:
         Row("trainer, 2 processes (DDP, gloo)", "trainer", mlp, 2, group=g_mlp),
         Row("trainer, 1 process, world_invariant", "trainer", mlp + WI, group=g_mlp),
         Row("trainer, 2 processes, world_invariant", "trainer", mlp + WI, 2, group=g_mlp),
+        Row("GPT bare loop, 1 process x 2 threads", "bare", gpt, 1, threads=2, group=g_gpt),
         Row("GPT trainer, 1 process x 2 threads", "trainer", gpt, 1, threads=2, group=g_gpt),
+        Row("GPT bare DDP loop, 2 processes x 1 thread", "bare", gpt, 2, threads=1, group=g_gpt),
         Row("GPT trainer, 2 processes x 1 thread", "trainer", gpt, 2, threads=1, group=g_gpt),
         Row("trainer --help", "help", metric="wall_s", group=g_start),
         Row("bare loop, 1 process: to 1st step", "bare", one, metric="first_step_s", group=g_start),
@@ -239,6 +243,50 @@ def ckpt_rows() -> list[Row]:
     ]
 
 
+# Cost against size: the stdlib GPT (2 blocks, 64-byte context, 16 sequences a step) at four
+# widths, 0.1M to 6.6M parameters (a 50x range), at world 1 (2 threads) and world 2 (2 x 1
+# thread): the same cores, so world 2 / world 1 is what data parallelism costs at that size.
+# Background saves every 6 steps: the stall per save grows with the state copied to host memory.
+SWEEP_WIDTHS = (64, 128, 256, 512)
+SWEEP_BASE = [
+    "--config",
+    "stdlib-gpt",
+    "data.global_batch_size=16",
+    "data.text.max_test_bytes=4096",
+    "train.epochs=100",
+    "train.max_steps=30",
+    "log.every_steps=3",
+    "ckpt.every_epochs=0",
+    "ckpt.every_steps=6",
+    "ckpt.keep_last=1",
+    "log.tensorboard=false",
+    "log.progress=plain",
+    "dist.device=cpu",
+]
+
+
+def sweep_rows() -> list[Row]:
+    rows = []
+    for width in SWEEP_WIDTHS:
+        size = (*SWEEP_BASE, f"model.gpt.width={width}", f"model.gpt.heads={max(2, width // 64)}")
+        group = f"GPT width {width}"
+        rows.append(Row(f"width {width}, world 1 x 2 threads", "trainer", size, 1, 2, group=group))
+        rows.append(Row(f"width {width}, world 2 x 1 thread", "trainer", size, 2, 1, group=group))
+    return rows
+
+
+def sweep_ratios() -> list[tuple]:
+    return [
+        (
+            f"width {w}: world 2 / world 1",
+            f"width {w}, world 2 x 1 thread",
+            f"width {w}, world 1 x 2 threads",
+            None,
+        )
+        for w in SWEEP_WIDTHS
+    ]
+
+
 CKPT_RATIOS = [
     (
         "checkpoint stall, background / blocking, DDP",
@@ -273,6 +321,18 @@ CPU_RATIOS = [
         "bare DDP loop, 2 processes (gloo)",
         "bare loop, 1 process",
         None,
+    ),
+    (
+        "GPT trainer / bare, world 1",
+        "GPT trainer, 1 process x 2 threads",
+        "GPT bare loop, 1 process x 2 threads",
+        0.97,
+    ),
+    (
+        "GPT trainer / bare, world 2",
+        "GPT trainer, 2 processes x 1 thread",
+        "GPT bare DDP loop, 2 processes x 1 thread",
+        0.97,
     ),
     (
         "GPT world 2 (1 thread) / world 1 (2 threads)",
@@ -364,10 +424,10 @@ def steady(windows: list[float], skip: int = SKIP_WINDOWS) -> float:
     return statistics.median(kept)
 
 
-def train_windows(metrics_jsonl: str) -> list[float]:
-    """samples/s of each train record in a metrics.jsonl text, in order."""
+def train_windows(metrics_jsonl: str, key: str = "samples_per_s") -> list[float]:
+    """`key` (samples/s) of each train record in a metrics.jsonl text, in order."""
     records = [json.loads(line) for line in metrics_jsonl.splitlines() if line.strip()]
-    return [r["samples_per_s"] for r in records if r.get("kind") == "train"]
+    return [r[key] for r in records if r.get("kind") == "train" and key in r]
 
 
 def checkpoint_stalls(metrics_jsonl: str) -> tuple[list[float], list[float]]:
@@ -532,6 +592,8 @@ def run_row(row: Row, work: Path) -> dict:
         windows, first = train_windows(text), first_step_time(text)
         summary = json.loads((run_dir / "summary.json").read_text())
         out = {"peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib")}
+        if waits := train_windows(text, "data_wait_pct"):
+            out["data_wait_pct"] = steady(waits)
         stalls, writes = checkpoint_stalls(text)
         if stalls:
             out.update(ckpt_stall_s=statistics.median(stalls), stalls_s=stalls, writes_s=writes)
@@ -598,6 +660,7 @@ def run_suite(
         "gpu": (gpu_rows(), GPU_RATIOS, GPU_BASE),
         "cpu": (cpu_rows(), CPU_RATIOS, CPU_BASE),
         "ckpt": (ckpt_rows(), CKPT_RATIOS, CKPT_BASE),
+        "sweep": (sweep_rows(), sweep_ratios(), SWEEP_BASE),
     }[suite]
     if fast:
         rows = [quick(r) for r in rows]
@@ -662,12 +725,89 @@ def run_suite(
         "rows": results,
         "ratios": ratio_values,
     }
+    if suite == "sweep":
+        report["sizes"] = sweep_sizes(results)
     out.mkdir(parents=True, exist_ok=True)
     slug = (info.get("gpu") or "cpu").replace(" ", "-").lower()
     (out / f"{suite}-{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out / f"{suite}-{slug}.png")
-    report["table"] = format_table(rows, summaries, ratio_values)
+    if suite == "sweep":
+        _plot_sweep(report, out / f"{suite}-{slug}.png")
+        report["table"] = format_sweep(report["sizes"])
+    else:
+        _plot(report, out / f"{suite}-{slug}.png")
+        report["table"] = format_table(rows, summaries, ratio_values)
     return report
+
+
+def _median_of(runs: list[dict], key: str) -> float | None:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+@functools.cache
+def gpt_shape(overrides: tuple[str, ...]) -> tuple[int, int]:
+    """(parameters, sequence length) of the GPT the overrides configure (built on the meta
+    device: no memory, no time)."""
+    import torch
+
+    from trainer import config, models
+
+    cfg = config.load(overrides[1], overrides[2:])  # ["--config", name, *overrides]
+    seq = cfg.data.text.seq_len
+    with torch.device("meta"):
+        model = models.build(cfg.model, (seq,), 256, "lm")
+    return sum(p.numel() for p in model.parameters()), seq
+
+
+def sweep_sizes(results: list[dict]) -> list[dict]:
+    """One entry per GPT width: parameters, and per world size the median tokens/s, the step
+    time split into data wait and the rest (compute and, at world 2, the gradient all-reduce),
+    and the stall per background save."""
+    sizes: dict[int, dict] = {}
+    for entry in results:
+        overrides = entry["overrides"]
+        width = int(next(a for a in overrides if a.startswith("model.gpt.width=")).split("=")[1])
+        batch = _override(tuple(overrides), "data.global_batch_size")
+        params, seq = gpt_shape(tuple(overrides))
+        size = sizes.setdefault(width, {"width": width, "params": params})
+        rate = entry["median"]  # sequences/s
+        step_s = batch / rate
+        wait = _median_of(entry["runs"], "data_wait_pct") or 0.0
+        size[f"world_{entry['processes']}"] = {
+            "tokens_per_s": rate * seq,
+            "step_s": step_s,
+            "data_wait_s": step_s * wait / 100,
+            "compute_comm_s": step_s * (1 - wait / 100),
+            "stall_per_save_s": _median_of(entry["runs"], "ckpt_stall_s"),
+            "write_s": _median_of(
+                [
+                    {"w": statistics.median(r["writes_s"])}
+                    for r in entry["runs"]
+                    if r.get("writes_s")
+                ],
+                "w",
+            ),
+        }
+    return [sizes[w] for w in sorted(sizes)]
+
+
+def format_sweep(sizes: list[dict]) -> str:
+    head = f"  {'width':>5} {'params':>10} {'world':>5} {'tokens/s':>10} {'step s':>8} "
+    lines = [head + f"{'data s':>8} {'stall/save s':>12} {'write s':>8}"]
+    for size in sizes:
+        for world in (1, 2):
+            w = size.get(f"world_{world}")
+            if not w:
+                continue
+            stall = w["stall_per_save_s"]
+            write = w["write_s"]
+            lines.append(
+                f"  {size['width']:>5} {size['params']:>10,} {world:>5} {w['tokens_per_s']:>10,.0f} "
+                f"{w['step_s']:>8.3f} {w['data_wait_s']:>8.4f} "
+                f"{stall if stall is not None else float('nan'):>12.3f} "
+                f"{write if write is not None else float('nan'):>8.3f}"
+            )
+    return "\n".join(lines)
 
 
 MET, MISSED, NO_TARGET = "#3a8a3a", "#c0392b", "#4878a8"
@@ -766,15 +906,79 @@ def _plot(report: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_sweep(report: dict, path: Path) -> None:
+    """Cost against model size, log-log: step time (data wait shaded), tokens/s, and the stall
+    per background save, each at world 1 and world 2."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"  (matplotlib not installed: no {path.name})")
+        return
+    sizes = report["sizes"]
+    params = [s["params"] / 1e6 for s in sizes]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    styles = {1: ("#4878a8", "o", "world 1 (2 threads)"), 2: ("#d9822b", "s", "world 2 (2 x 1)")}
+    panels = [
+        ("step_s", "seconds per step", "step time"),
+        ("tokens_per_s", "tokens/s", "throughput"),
+        ("stall_per_save_s", "seconds", "training stall per background save"),
+    ]
+    for ax, (key, unit, title) in zip(axes, panels, strict=True):
+        for world, (color, marker, label) in styles.items():
+            pts = [
+                (p, s[f"world_{world}"][key])
+                for p, s in zip(params, sizes, strict=True)
+                if s.get(f"world_{world}") and s[f"world_{world}"].get(key) is not None
+            ]
+            if not pts:
+                continue
+            ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=label)
+            if key == "step_s":
+                waits = [
+                    s[f"world_{world}"]["data_wait_s"] for s in sizes if s.get(f"world_{world}")
+                ]
+                ax.plot(
+                    [p for p, _ in pts],
+                    waits,
+                    linestyle=":",
+                    marker=marker,
+                    color=color,
+                    label=f"{label}: data wait",
+                )
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters (millions)", fontsize=9)
+        ax.set_ylabel(unit, fontsize=9)
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", linestyle=":", linewidth=0.5)
+        ax.tick_params(labelsize=8)
+        ax.legend(fontsize=7)
+    m = report["machine"]
+    device = m.get("gpu") or f"CPU x{m['cpu_count']}"
+    widths = ", ".join(str(s["width"]) for s in sizes)
+    fig.suptitle(
+        f"GPT cost against size (widths {widths}), {device}, "
+        f"torch {m['torch']}, median of {report['reps']} repetitions",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
         "--suite",
-        choices=("auto", "cpu", "gpu", "ckpt"),
+        choices=("auto", "cpu", "gpu", "ckpt", "sweep"),
         default="auto",
-        help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes)",
+        help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes); "
+        "sweep: GPT cost against width at world 1 and 2",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")

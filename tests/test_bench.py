@@ -83,6 +83,7 @@ def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
         (bench.cpu_rows(), bench.CPU_RATIOS),
         (bench.gpu_rows(), bench.GPU_RATIOS),
         (bench.ckpt_rows(), bench.CKPT_RATIOS),
+        (bench.sweep_rows(), bench.sweep_ratios()),
     )
     for rows, specs in suites:
         names = {r.name for r in rows}
@@ -94,6 +95,10 @@ def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
         if row.kind != "help":
             assert bench._override(q.overrides, "train.max_steps") <= 60
     gpt = {r.name: r for r in bench.cpu_rows()}
+    for world, threads in ((1, 2), (2, 1)):  # the bare GPT loops run as the trainer rows do
+        bare, ours = (r for r in bench.cpu_rows() if r.name.startswith("GPT") and r.nproc == world)
+        assert bare.kind == "bare" and ours.kind == "trainer"
+        assert bare.overrides == ours.overrides and bare.threads == ours.threads == threads
     assert gpt["GPT trainer, 1 process x 2 threads"].threads == 2
     assert gpt["GPT trainer, 2 processes x 1 thread"].nproc == 2
     assert gpt["GPT trainer, 2 processes x 1 thread"].threads == 1
@@ -160,3 +165,39 @@ def test_quick_suite_end_to_end(tmp_path):
     assert list(report["ratios"]) == ["trainer / bare, world 1", "world_invariant / plain, world 1"]
     assert (tmp_path / "cpu-cpu.png").stat().st_size > 0
     assert "trainer / bare, world 1" in p.stdout
+
+
+def test_the_sweep_spans_ten_times_the_parameters_and_splits_each_step():
+    rows = bench.sweep_rows()
+    assert len(rows) == 2 * len(bench.SWEEP_WIDTHS) >= 6
+    results = []
+    for i, row in enumerate(rows):  # made-up measurements: 100 + i sequences/s, 10% data wait
+        run = {"data_wait_pct": 10.0, "ckpt_stall_s": 0.01 * (i + 1), "writes_s": [0.5, 0.7]}
+        results.append({"overrides": list(row.overrides), "processes": row.nproc,
+                        "median": 100.0 + i, "runs": [run]})  # fmt: skip
+    sizes = bench.sweep_sizes(results)
+    params = [s["params"] for s in sizes]
+    assert params == sorted(params) and params[-1] >= 10 * params[0]
+    first = sizes[0]["world_1"]
+    assert first["tokens_per_s"] == pytest.approx(100.0 * 64)  # sequences of 64 bytes
+    assert first["step_s"] == pytest.approx(16 / 100.0)  # 16 sequences a step
+    assert first["data_wait_s"] == pytest.approx(0.1 * first["step_s"])
+    assert first["data_wait_s"] + first["compute_comm_s"] == pytest.approx(first["step_s"])
+    assert (first["stall_per_save_s"], first["write_s"]) == pytest.approx((0.01, 0.6))
+    assert sizes[0]["world_2"]["tokens_per_s"] == pytest.approx(101.0 * 64)
+    table = bench.format_sweep(sizes)
+    assert len(table.splitlines()) == 1 + len(rows) and f"{params[-1]:,}" in table
+
+
+def test_the_bare_loop_trains_the_gpt_the_nanogpt_way(capsys):
+    """bench/bare.py on the GPT, in this process (world 1): random windows of the token stream,
+    the schedule's lr set by hand, clipping; it reports its windows like the trainer."""
+    spec = importlib.util.spec_from_file_location("bare_under_test", ROOT / "bench" / "bare.py")
+    bare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bare)
+    args = ["4", "2", "--config", "stdlib-gpt", "model.gpt.width=32", "model.gpt.heads=2"]
+    args += ["data.text.max_train_bytes=20000", "data.text.max_test_bytes=4096", "dist.device=cpu"]
+    assert bare.main([*args, "train.max_steps=4"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["windows"]) == 2 and all(w > 0 for w in out["windows"])
+    assert out["world_size"] == 1 and out["first_step_time"] > 0
