@@ -175,6 +175,9 @@ def test_from_reruns_a_run_exactly_and_records_where_it_ran(tmp_path):
     else:
         assert record["git"] is None
     assert record["argv"][-1] == f"run_dir={run_dir}"
+    # The process's own entry point set up with the collector off (trainer/startup.py): no
+    # automatic collection ran between the command's start and the first step.
+    assert record["startup"]["gc_collections"] == 0 and record["startup"]["seconds"] > 0
 
 
 def test_an_image_names_its_commit_without_git(monkeypatch):

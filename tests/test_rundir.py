@@ -52,6 +52,7 @@ def test_resume_continues_the_newest_run_with_its_config_and_says_what_the_chang
     assert "resume changes train.epochs 2 -> 3:" in out
     run = json.loads((here / newest / "run.json").read_text())
     assert run["resumes"] == [{"step": 6, "changes": {"train.epochs": [2, 3]}}]
+    assert run["startup"] is None  # an in-process call leaves this process's collector alone
     records = [json.loads(line) for line in (here / newest / "metrics.jsonl").open()]
     assert {"kind": "resume", "step": 6, "changes": {"train.epochs": [2, 3]}}.items() <= (
         next(r for r in records if r["kind"] == "resume").items()

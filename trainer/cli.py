@@ -275,6 +275,18 @@ def _cmd_report(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `trainer` command; argv None: this process's own entry point (see trainer/startup)."""
+    from trainer import startup
+
+    if argv is None:
+        startup.begin()
+    try:
+        return _run_main(argv)
+    finally:
+        startup.end()
+
+
+def _run_main(argv: list[str] | None) -> int:
     try:
         code = _main(argv)
     except SystemExit as e:  # argparse: usage errors (2) and --help (0)

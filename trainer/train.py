@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from trainer import dryrun, loop, metrics, ranks, repro, rundir, strategy
+from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strategy
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
 from trainer.errors import io_error
@@ -55,6 +55,7 @@ def _train(cfg, world, how, stop, started, dry_run) -> dict:
             chosen = rundir.resolve(cfg.name, None, claim=not dry_run) if world.is_main else None
             cfg = dataclasses.replace(cfg, run_dir=ranks.broadcast_object(chosen))
         run = build(cfg, world, how, stop, started)
+        startup.settle()  # the collector back on for training (trainer/startup.py)
         if dry_run:
             checked = dryrun.check(run)
             if world.is_main and chosen_here:  # leave no empty folder of a run that never ran
@@ -141,6 +142,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "data": run.data.source,
         "kernels": repro.kernel_set(w.device),
         "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
+        "startup": startup.report(),
     }
 
 

@@ -1,0 +1,48 @@
+"""trainer/startup.py: the collector off during a process's setup, frozen survivors after."""
+
+import gc
+
+import pytest
+
+from trainer import cli, startup
+
+
+@pytest.fixture
+def collector():
+    """Whatever a test does to the collector, the worker gets it back on and unfrozen."""
+    yield
+    startup.end()
+    gc.unfreeze()
+    gc.enable()
+
+
+def test_setup_runs_without_collections_and_training_with_a_frozen_heap(collector):
+    startup.begin()
+    assert not gc.isenabled()
+    garbage = [[] for _ in range(5000)]
+    for item in garbage:
+        item.append(item)  # 5,000 cycles: gen-0 collections would run if the collector were on
+    del garbage, item
+    startup.settle()
+    assert gc.isenabled() and gc.get_freeze_count() > 0
+    record = startup.report()
+    assert record["gc_collections"] == 0 and record["seconds"] >= 0
+    startup.settle()  # once only
+    assert startup.report() == record
+
+
+def test_a_library_call_leaves_the_collector_as_it_was(collector, capsys):
+    assert cli.main(["config", "check"]) == 0  # argv given: not the process's entry point
+    assert gc.isenabled() and startup.report() is None
+    gc.disable()  # someone else turned it off: begin() leaves it to them
+    startup.begin()
+    startup.settle()
+    assert not gc.isenabled() and startup.report() is None
+
+
+def test_an_entry_point_that_never_trains_turns_the_collector_back_on(collector, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["trainer", "config", "check"])
+    seen = []
+    monkeypatch.setattr(cli, "_run_main", lambda argv: seen.append(gc.isenabled()) or 0)
+    assert cli.main() == 0
+    assert seen == [False] and gc.isenabled() and gc.get_freeze_count() == 0
