@@ -433,3 +433,47 @@ def test_a_background_shard_write_holds_the_state_of_when_it_began(tmp_path):
     with pytest.raises(sharded.ShardWriteError) as e:
         sharded.save_in_background(model, opt, str(tmp_path / "bad"), None).result()
     assert "\n" not in str(e.value)
+
+
+def test_the_wall_time_cadence_is_due_after_its_minutes_and_off_at_0():
+    from trainer.loop import save_due
+
+    ckpt = config.load(None, ["ckpt.every_minutes=2"]).ckpt
+    assert not save_due(ckpt, last_save=100.0, now=219.0)
+    assert save_due(ckpt, last_save=100.0, now=220.0)
+    off = config.load(None, ["ckpt.every_minutes=0"]).ckpt
+    assert not save_due(off, last_save=0.0, now=1e9)
+    assert config.load(None, []).ckpt.every_minutes == 30  # on by default, beside every_epochs
+
+
+def _saves(run_dir) -> list[tuple[int, str]]:
+    records = helpers.read_jsonl(run_dir / "metrics.jsonl")
+    return [(r["step"], r["reason"]) for r in records if r["kind"] == "checkpoint"]
+
+
+def test_a_wall_time_save_lands_at_a_log_window_and_an_epoch_end_does_not_repeat_it(tmp_path):
+    # 12 steps, 3 an epoch, a log window every 2 steps and a cadence of 60 microseconds: every
+    # window saves (but the last step's: the final save covers it); the epoch ends at 6 and 12
+    # find that step saved already, the one at 3 and 9 saves.
+    _run(tmp_path / "run", "log.every_steps=2", "ckpt.every_minutes=0.000001")
+    assert _saves(tmp_path / "run") == [
+        (2, "every_minutes"),
+        (3, "every_epochs"),
+        (4, "every_minutes"),
+        (6, "every_minutes"),
+        (8, "every_minutes"),
+        (9, "every_epochs"),
+        (10, "every_minutes"),
+        (12, "final"),
+    ]
+
+
+@pytest.mark.slow
+def test_rank_0s_clock_decides_a_wall_time_save_for_every_rank(tmp_path):
+    """Two ranks: a save is a collective, so ranks that disagreed would deadlock (or time out)."""
+    run_dir = tmp_path / "run"
+    helpers.trainer(
+        "train", *TINY, "ckpt.every_epochs=0", "log.every_steps=2", "ckpt.every_minutes=0.000001",
+        "dist.timeout_s=30", f"run_dir={run_dir}", nproc=2, torchrun=False,
+    )  # fmt: skip
+    assert _saves(run_dir) == [(s, "every_minutes") for s in (2, 4, 6, 8, 10)] + [(12, "final")]

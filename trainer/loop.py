@@ -56,6 +56,14 @@ def should_save(
     return bool(cfg.every_steps) and step % cfg.every_steps == 0
 
 
+def save_due(cfg: CkptConfig, last_save: float, now: float | None = None) -> bool:
+    """Whether ckpt.every_minutes of wall time (time.monotonic) passed since the last save."""
+    if not cfg.every_minutes:
+        return False
+    now = time.monotonic() if now is None else now
+    return now - last_save >= 60 * cfg.every_minutes
+
+
 def should_stop(run: Run) -> bool:
     """Whether any rank was signalled (SIGTERM/SIGINT): a blocking collective, called by every
     rank (before the first step; between steps the loop uses the background StopVote)."""
@@ -94,8 +102,9 @@ def fit(run: Run) -> None:
             state.step_in_epoch += 1
             state.samples_seen += count
             run.log.tick(state.step, epoch_of(state))
+            timed_save = False
             if should_log(cfg.log.every_steps, state.step, run.total_steps):
-                vote.every = _log_train(run, losses, clock)
+                vote.every, timed_save = _log_train(run, losses, clock)
             if should_eval(cfg.train, step=state.step):
                 _evaluate(run, clock)
             _stop_if_asked(run, clock, vote.poll(state.step))
@@ -103,6 +112,8 @@ def fit(run: Run) -> None:
                 break
             if should_save(cfg.ckpt, step=state.step, total_steps=run.total_steps):
                 _save(run, clock, "every_steps")
+            elif timed_save and state.step < run.total_steps:
+                _save(run, clock, "every_minutes")
         epoch_loss = losses.epoch_mean()
         check_loss(run, epoch_loss)
         run.results.record_train(epoch_loss, state.epoch)
@@ -111,9 +122,12 @@ def fit(run: Run) -> None:
                 _evaluate(run, clock)
             state.epoch += 1
             state.step_in_epoch = 0
-            if should_save(
-                cfg.ckpt, step=state.step, total_steps=run.total_steps, epoch_done=state.epoch
-            ):
+            if (
+                should_save(
+                    cfg.ckpt, step=state.step, total_steps=run.total_steps, epoch_done=state.epoch
+                )
+                and run.ckpt.last_save_begun != state.step
+            ):  # not twice (every_minutes, every_steps)
                 _save(run, clock, "every_epochs")
     vote.finish()  # the last vote in flight; the run is complete whatever it says
     if run.results.eval_step != state.step:
@@ -133,14 +147,17 @@ def epoch_of(state) -> int:
     return state.epoch + 1
 
 
-def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
-    """Writes the window's train record; returns the stop-vote cadence the ranks agreed on."""
+def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool]:
+    """Writes the window's train record; returns the stop-vote cadence the ranks agreed on and
+    whether a save is due by wall time (ckpt.every_minutes, rank 0's clock)."""
     samples, steps = losses.window_samples, losses.window_steps
     # One all-reduce: all ranks' loss shares summed (the global mean loss per step), their
     # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank),
-    # and rank 0's metrics write error since the last window (its errno; the others add 0).
-    loss, every, failed = losses.window_mean(
-        StopVote.cadence(clock.since_lap() / steps), _write_error_code(run)
+    # rank 0's metrics write error since the last window (its errno; the others add 0), and
+    # rank 0's verdict on the wall-time save cadence (1 or 0; the others add 0).
+    due = run.world.is_main and save_due(run.cfg.ckpt, run.ckpt.last_save_time)
+    loss, every, failed, save = losses.window_mean(
+        StopVote.cadence(clock.since_lap() / steps), _write_error_code(run), int(due)
     )
     elapsed, waited = clock.lap()  # after the all-reduce: the window includes waiting for it
     if failed:
@@ -151,7 +168,7 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> int:
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
     run.log.record(record)
-    return every
+    return every, save
 
 
 def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
@@ -300,18 +317,20 @@ class LossSums:
         self.epoch_steps += 1
         self.window_samples += count
 
-    def window_mean(self, proposal: int = 1, flag: int = 0) -> tuple[float, int, int]:
+    def window_mean(
+        self, proposal: int = 1, flag: int = 0, save: int = 0
+    ) -> tuple[float, int, int, bool]:
         """The window's mean loss per step over all ranks, the mean of the ranks' integer
-        `proposal`s rounded up, and the sum of their integer `flag`s (one collective); starts a
-        new window."""
-        extra = self.window.new_tensor([float(proposal), float(flag)])
-        loss, proposals, flags = ranks.all_reduce_sum(
+        `proposal`s rounded up, the sum of their integer `flag`s, and whether any rank asked
+        for a `save` (one collective); starts a new window."""
+        extra = self.window.new_tensor([float(proposal), float(flag), float(save)])
+        loss, proposals, flags, saves = ranks.all_reduce_sum(
             torch.cat([self.window[None], extra])
         ).tolist()
         self.window.zero_()
         mean = loss / self.window_steps
         self.window_steps = self.window_samples = 0
-        return mean, math.ceil(proposals / self.world_size), int(flags)
+        return mean, math.ceil(proposals / self.world_size), int(flags), saves > 0
 
     def epoch_mean(self) -> float | None:
         """The epoch's mean loss per step (a collective), None if it had no steps; starts anew."""

@@ -150,9 +150,9 @@ def choose_resume(resume: str, root: str, warn, skip=()) -> str | None:
     return path
 
 
-ROUTINE_SAVES = ("every_steps", "every_epochs", "final")
+ROUTINE_SAVES = ("every_steps", "every_epochs", "every_minutes", "final")
 """Saves on schedule: metrics.jsonl records only (one console line per epoch was noise)."""
-BACKGROUND_SAVES = ("every_steps", "every_epochs")
+BACKGROUND_SAVES = ("every_steps", "every_epochs", "every_minutes")
 """Saves that may land after training went on: nothing waits for them to be on disk."""
 
 
@@ -179,6 +179,11 @@ class Checkpointer:
         self.root = checkpoint_dir(cfg)
         self.last_saved_step: int | None = None
         """The newest step whose checkpoint is on disk (a background write counts once waited)."""
+        self.last_save_time = time.monotonic()
+        """When the last save began (or this run segment started): ckpt.every_minutes counts
+        from it."""
+        self.last_save_begun: int | None = None
+        """The step of the newest save begun (written, in flight, or failed)."""
         self.failures = 0
         self._pending: int | None = None
         """The step of the background write in flight (every rank knows it; rank 0 runs it)."""
@@ -367,6 +372,7 @@ class Checkpointer:
         CheckpointWriteError (ConfigError when ckpt.dir cannot be written at all) on every rank.
         A background save returns once the state is copied; `wait` reports how it ended."""
         started = time.perf_counter()
+        self.last_save_time, self.last_save_begun = time.monotonic(), state.step
         self.wait()  # at most one write in flight
         background = self.cfg.ckpt.async_save and reason in BACKGROUND_SAVES
         path = self.write(self.root, state, results, reason, background=background)

@@ -94,6 +94,7 @@ RANGES: dict[str, Range] = {
     "dist.timeout_s": Range(1, 7 * 24 * 3600),
     "log.every_steps": Range(1, _STEPS),
     "ckpt.every_steps": Range(0, _STEPS),
+    "ckpt.every_minutes": Range(0.0, 7 * 24 * 60.0),
     "ckpt.every_epochs": Range(0, 10**6),
     "ckpt.keep_last": Range(1, 10**6),
     "repro.shards": Range(1, 2**16),

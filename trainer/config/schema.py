@@ -311,6 +311,10 @@ class CkptConfig:
     """Save every N optimizer steps (0: off)."""
     every_epochs: int = 1
     """Save at the end of every N epochs (0: off). The last step and SIGTERM always save."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes of wall time passed since the last save (or the start),
+    however long an epoch is (0: off). Decided by rank 0 at a log window (log.every_steps), so
+    every rank saves at the same step."""
     keep_last: int = 3
     """Keep the newest N checkpoints; older ones are deleted after a successful save."""
     async_save: bool = True
