@@ -184,6 +184,13 @@ def cpu_rows() -> list[Row]:
         Row("trainer, 1 process", "trainer", mlp, group=g_mlp),
         Row("bare DDP loop, 2 processes (gloo)", "bare", mlp, 2, group=g_mlp),
         Row("trainer, 2 processes (DDP, gloo)", "trainer", mlp, 2, group=g_mlp),
+        Row(
+            "trainer, 2 processes, default checkpoints",
+            "trainer",
+            (*mlp, "ckpt.every_epochs=1"),
+            2,
+            group=g_mlp,
+        ),
         Row("trainer, 1 process, world_invariant", "trainer", mlp + WI, group=g_mlp),
         Row("trainer, 2 processes, world_invariant", "trainer", mlp + WI, 2, group=g_mlp),
         Row("GPT bare loop, 1 process x 2 threads", "bare", gpt, 1, threads=2, group=g_gpt),
@@ -308,6 +315,12 @@ CPU_RATIOS = [
         "trainer / bare, world 2",
         "trainer, 2 processes (DDP, gloo)",
         "bare DDP loop, 2 processes (gloo)",
+        0.97,
+    ),
+    (
+        "default checkpoints / none, world 2",
+        "trainer, 2 processes, default checkpoints",
+        "trainer, 2 processes (DDP, gloo)",
         0.97,
     ),
     (
