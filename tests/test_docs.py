@@ -236,3 +236,21 @@ def test_the_checkpoint_stall_tables_in_docs_benchmarks_are_the_committed_result
             continue
         checked += 1
     assert checked == len(rows) + len(ratios)
+
+
+def test_the_size_sweep_table_in_docs_benchmarks_is_the_committed_result():
+    measured = _table(_section(DOCS["benchmarks.md"], "### Cost against size, measured here"))
+    sweep = json.loads((ROOT / "bench" / "results" / "sweep-cpu.json").read_text())
+    expected = []
+    for size in sweep["sizes"]:
+        for world in (1, 2):
+            x = size[f"world_{world}"]
+            ms = {k: x[k] * 1000 for k in ("step_s", "data_wait_s", "stall_per_save_s", "write_s")}
+            expected.append([
+                str(size["width"]), f"{size['params']:,}", str(world), f"{x['tokens_per_s']:,.0f}",
+                f"{ms['step_s']:.0f} ms", f"{ms['data_wait_s']:.2f} ms",
+                f"{ms['stall_per_save_s']:.0f} ms", f"{ms['write_s']:.0f} ms",
+            ])  # fmt: skip
+    assert measured[1:] == expected
+    params = [s["params"] for s in sweep["sizes"]]
+    assert len(params) >= 3 and params[-1] >= 10 * params[0]  # at least a 10x range of sizes
