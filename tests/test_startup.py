@@ -40,8 +40,12 @@ def test_a_library_call_leaves_the_collector_as_it_was(collector, capsys):
     assert not gc.isenabled() and startup.report() is None
 
 
-def test_an_entry_point_that_never_trains_turns_the_collector_back_on(collector, monkeypatch):
+def test_an_entry_point_that_never_trains_turns_the_collector_back_on(
+    collector, monkeypatch, capsys
+):
     monkeypatch.setattr("sys.argv", ["trainer", "config", "check"])
+    assert cli.main() == 0 and gc.isenabled()  # a short command settles before it runs
+    gc.unfreeze()
     seen = []
     monkeypatch.setattr(cli, "_run_main", lambda argv: seen.append(gc.isenabled()) or 0)
     assert cli.main() == 0

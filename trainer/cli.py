@@ -217,8 +217,10 @@ def _config_for(src: str, args):
 def _cmd_eval(args) -> int:
     import json
 
+    from trainer import startup
     from trainer.evaluate import evaluate_saved
 
+    startup.settle()  # torch imported: the collector back on for the evaluation itself
     result = evaluate_saved(_config_for(args.src, args), args.src)
     if _is_rank0():
         print(json.dumps(result))
@@ -226,8 +228,10 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    from trainer import startup
     from trainer.checkpoint.weights import export
 
+    startup.settle()
     print(f"exported {export(args.src, args.out)}")
     return ExitCode.OK
 
@@ -331,6 +335,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _main(argv: list[str] | None) -> int:
     args = parse(argv)
+    if args.command not in ("train", "eval", "export"):  # short: no setup to speed up
+        from trainer import startup
+
+        startup.settle()
     try:
         return int(args.func(args))
     except TrainerError as e:

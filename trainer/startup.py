@@ -10,8 +10,9 @@ out of the collector's sight, so the full collections during training scan only 
 allocates, and forked data-loader workers do not touch (and so copy) those pages.
 
 Only the process's own entry point (`trainer ...`, `python -m trainer ...`: cli.main() without
-argv) does this; a library call (tests, trainer.fit in a user's script) leaves the collector
-as it found it. The setup time and the number of collections that ran during it are recorded in
+argv) does this; a library call (tests, a user's script) leaves the collector as it found it.
+`train` settles just before the first step, `eval` and `export` once torch is imported, the
+other commands (short) before they run. The setup time and the number of collections that ran during it are recorded in
 run.json (`startup`).
 """
 

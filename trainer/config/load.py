@@ -343,11 +343,14 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     for source, layer in _layer_for(config):
         merged = _merge(schema, merged, source, layer)
     cli = _cli_layer(list(overrides))
-    try:  # the overrides in one merge (each merge copies the whole config: ~10 ms an override)
-        merged = OmegaConf.merge(merged, *(layer for _, layer in cli)) if cli else merged
+    try:  # several overrides in one merge (each merge copies the whole config: ~10 ms each)
+        merged = OmegaConf.merge(merged, *(layer for _, layer in cli)) if len(cli) > 1 else merged
     except (OmegaConfBaseException, TypeError, ValueError):
-        for source, layer in cli:  # one at a time, to name the override that fails
-            merged = _merge(schema, merged, source, layer)
+        pass  # merged is untouched: one at a time below, to name the override that fails
+    else:
+        cli = cli if len(cli) == 1 else []
+    for source, layer in cli:
+        merged = _merge(schema, merged, source, layer)
     try:
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
