@@ -3,6 +3,7 @@
     make bench                                   # the GPU suite on a CUDA machine, else the CPU suite
     python bench/bench.py --suite cpu --reps 3 --out bench/results
     python bench/bench.py --suite cpu --reps 1 --quick --only "trainer, 1"   # machinery check only
+    python bench/bench.py --suite cpu --row "trainer, 1 process" --row "bare loop, 1 process"
     python bench/bench.py --suite ckpt           # checkpoint stall per save: background vs blocking
     python bench/bench.py --suite sweep          # GPT cost against width (4 sizes), world 1 and 2
 
@@ -668,17 +669,24 @@ def run_suite(
     fast: bool = False,
     only: list[str] | None = None,
     note: str | None = None,
+    rows: list[str] | None = None,
 ) -> dict:
-    rows, specs, base = {
-        "gpu": (gpu_rows(), GPU_RATIOS, GPU_BASE),
-        "cpu": (cpu_rows(), CPU_RATIOS, CPU_BASE),
-        "ckpt": (ckpt_rows(), CKPT_RATIOS, CKPT_BASE),
-        "sweep": (sweep_rows(), sweep_ratios(), SWEEP_BASE),
-    }[suite]
+    names, (rows, specs, base) = (
+        rows,
+        {
+            "gpu": (gpu_rows(), GPU_RATIOS, GPU_BASE),
+            "cpu": (cpu_rows(), CPU_RATIOS, CPU_BASE),
+            "ckpt": (ckpt_rows(), CKPT_RATIOS, CKPT_BASE),
+            "sweep": (sweep_rows(), sweep_ratios(), SWEEP_BASE),
+        }[suite],
+    )
     if fast:
         rows = [quick(r) for r in rows]
-    if only:
-        rows = [r for r in rows if r.name.startswith(tuple(only))]
+    if only or names:  # a row named exactly (--row) or by the start of its name (--only)
+        prefixes = tuple(only or ())
+        rows = [
+            r for r in rows if r.name in (names or ()) or (prefixes and r.name.startswith(prefixes))
+        ]
     info = machine()
     info["load_avg_before"] = os.getloadavg()
     runs: dict[str, list[dict]] = {r.name: [] for r in rows}
@@ -937,7 +945,7 @@ def _plot_sweep(report: dict, path: Path) -> None:
     panels = [
         ("step_s", "seconds per step", "step time"),
         ("tokens_per_s", "tokens/s", "throughput"),
-        ("stall_per_save_s", "seconds", "training stall per background save"),
+        ("stall_per_save_s", "seconds", "checkpoint: stall per save, background write"),
     ]
     for ax, (key, unit, title) in zip(axes, panels, strict=True):
         for world, (color, marker, label) in styles.items():
@@ -949,18 +957,25 @@ def _plot_sweep(report: dict, path: Path) -> None:
             if not pts:
                 continue
             ax.plot(*zip(*pts, strict=True), marker=marker, color=color, label=label)
-            if key == "step_s":
-                waits = [
-                    s[f"world_{world}"]["data_wait_s"] for s in sizes if s.get(f"world_{world}")
+            dotted = {
+                "step_s": ("data_wait_s", "data wait"),
+                "stall_per_save_s": ("write_s", "write"),
+            }
+            if key in dotted:
+                part, what = dotted[key]
+                sub = [
+                    (p, s[f"world_{world}"][part])
+                    for p, s in zip(params, sizes, strict=True)
+                    if s.get(f"world_{world}") and s[f"world_{world}"].get(part) is not None
                 ]
-                ax.plot(
-                    [p for p, _ in pts],
-                    waits,
-                    linestyle=":",
-                    marker=marker,
-                    color=color,
-                    label=f"{label}: data wait",
-                )
+                if sub:
+                    ax.plot(
+                        *zip(*sub, strict=True),
+                        linestyle=":",
+                        marker=marker,
+                        color=color,
+                        label=f"{label}: {what}",
+                    )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("parameters (millions)", fontsize=9)
@@ -1002,6 +1017,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--only", action="append", metavar="TEXT", help="run only rows whose name starts with TEXT"
     )
+    parser.add_argument(
+        "--row", action="append", metavar="NAME", help="run only the row named NAME (exactly)"
+    )
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be >= 1")
@@ -1011,7 +1029,9 @@ def main(argv: list[str] | None = None) -> int:
 
         suite = "gpu" if torch.cuda.is_available() else "cpu"
     print(f"{suite} suite, {args.reps} repetitions, rows round-robin:", flush=True)
-    report = run_suite(suite, Path(args.out), args.reps, args.quick, args.only, args.note)
+    report = run_suite(
+        suite, Path(args.out), args.reps, args.quick, args.only, args.note, rows=args.row
+    )
     print(report["table"])
     for r in report["rows"]:
         if "mfu_bf16" in r:

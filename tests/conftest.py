@@ -30,6 +30,7 @@ def reference_runs(tmp_path_factory):
                 *extra,
                 f"run_dir={folder / 'run'}",
                 nproc=None if world == 1 else world,
+                torchrun=False,  # the numbers are the point: helpers.ranks, no torchrun process
             )
 
         return shared_run(tmp_path_factory, f"reference {world} {extra!r}", make) / "run"

@@ -54,6 +54,7 @@ def test_sync_bn_on_cpu_ranks_stops_in_one_line(tmp_path):
         "model.sync_bn=true",
         f"run_dir={tmp_path}",
         nproc=2,
+        torchrun=False,
         check=False,
     )
     assert p.returncode != 0

@@ -87,7 +87,7 @@ def test_kills_during_background_writes_leave_the_previous_checkpoint_newest(
         f"run_dir={run_dir}",
     ]
     root = str(run_dir / "checkpoints")
-    for kill, step in enumerate((20, 30, 40)):  # each attempt's second save: killed mid-write
+    for kill, step in enumerate((20, 30)):  # each attempt's second save: killed mid-write
         marker = markers / f"writing-{step}"
         proc = spawn("train", *args)
         wait_for(marker.exists, 120, f"the write of step {step}", proc)
@@ -97,7 +97,7 @@ def test_kills_during_background_writes_leave_the_previous_checkpoint_newest(
         assert store.latest_valid(root) == store.step_dir(root, step - 10), f"kill {kill + 1}"
         assert any(n.startswith(f".step-{step:09d}.tmp-") for n in os.listdir(root))
     p = trainer("train", *args)
-    assert f"resumed from {store.step_dir(root, 30)}" in p.stdout
+    assert f"resumed from {store.step_dir(root, 20)}" in p.stdout
     assert _bitwise_equal(run_dir, uninterrupted_w1)
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 70))

@@ -216,6 +216,7 @@ def test_fp16_overflow_is_skipped_by_every_rank_together(tmp_path):
         "train.fp16_init_scale=1e30",
         f"run_dir={tmp_path}",
         nproc=2,
+        torchrun=False,
     )
     summary = json.loads((tmp_path / "summary.json").read_text())
     skipped = summary["skipped_steps"]
