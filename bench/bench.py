@@ -874,7 +874,8 @@ def _plot_ratios(ax, bars: list[dict]) -> None:
     ax.tick_params(axis="both", labelsize=8)
 
 
-def _plot(report: dict, path: Path) -> None:
+def _pyplot(path: Path):
+    """matplotlib's pyplot on the Agg backend, or None (saying so) where it is not installed."""
     try:
         import matplotlib
 
@@ -882,6 +883,24 @@ def _plot(report: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"  (matplotlib not installed: no {path.name})")
+        return None
+    return plt
+
+
+def _device(machine: dict) -> str:
+    return machine.get("gpu") or f"CPU x{machine['cpu_count']}"
+
+
+def _save(plt, fig, title: str, path: Path) -> None:
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot(report: dict, path: Path) -> None:
+    plt = _pyplot(path)
+    if plt is None:
         return
     groups: dict[str, list[dict]] = {}
     for r in report["rows"]:
@@ -915,28 +934,17 @@ def _plot(report: dict, path: Path) -> None:
         ax.tick_params(axis="y", labelsize=8)
         ax.tick_params(axis="x", labelsize=8)
     m = report["machine"]
-    device = m.get("gpu") or f"CPU x{m['cpu_count']}"
     load = " / ".join(f"{m[k][0]:.1f}" for k in ("load_avg_before", "load_avg_after") if k in m)
-    fig.suptitle(
-        f"{report['suite']} suite, {device}, torch {m['torch']}, {report['reps']} repetitions "
-        f"(grey: hand-written loop)\n1-min load average before / after: {load}",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"{report['suite']} suite, {_device(m)}, torch {m['torch']}, {report['reps']} "
+    title += f"repetitions (grey: hand-written loop)\n1-min load average before / after: {load}"
+    _save(plt, fig, title, path)
 
 
 def _plot_sweep(report: dict, path: Path) -> None:
-    """Cost against model size, log-log: step time (data wait shaded), tokens/s, and the stall
-    per background save, each at world 1 and world 2."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"  (matplotlib not installed: no {path.name})")
+    """Cost against model size, log-log: step time (dotted: its data wait), tokens/s, and the
+    stall per background save (dotted: the write behind it), each at world 1 and world 2."""
+    plt = _pyplot(path)
+    if plt is None:
         return
     sizes = report["sizes"]
     params = [s["params"] / 1e6 for s in sizes]
@@ -985,16 +993,9 @@ def _plot_sweep(report: dict, path: Path) -> None:
         ax.tick_params(labelsize=8)
         ax.legend(fontsize=7)
     m = report["machine"]
-    device = m.get("gpu") or f"CPU x{m['cpu_count']}"
     widths = ", ".join(str(s["width"]) for s in sizes)
-    fig.suptitle(
-        f"GPT cost against size (widths {widths}), {device}, "
-        f"torch {m['torch']}, median of {report['reps']} repetitions",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    title = f"GPT cost against size (widths {widths}), {_device(m)}, torch {m['torch']}, "
+    _save(plt, fig, title + f"median of {report['reps']} repetitions", path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -160,7 +160,7 @@ def test_quick_suite_end_to_end(tmp_path):
     assert "trainer / bare, world 1" in p.stdout
 
 
-def test_the_sweep_spans_ten_times_the_parameters_and_splits_each_step():
+def test_the_sweep_spans_ten_times_the_parameters_and_splits_each_step(tmp_path):
     rows = bench.sweep_rows()
     assert len(rows) == 2 * len(bench.SWEEP_WIDTHS) >= 6
     results = []
@@ -180,6 +180,9 @@ def test_the_sweep_spans_ten_times_the_parameters_and_splits_each_step():
     assert sizes[0]["world_2"]["tokens_per_s"] == pytest.approx(101.0 * 64)
     table = bench.format_sweep(sizes)
     assert len(table.splitlines()) == 1 + len(rows) and f"{params[-1]:,}" in table
+    machine = {"cpu_count": 2, "torch": "x"}
+    bench._plot_sweep({"sizes": sizes, "machine": machine, "reps": 1}, tmp_path / "sweep.png")
+    assert (tmp_path / "sweep.png").stat().st_size > 0
 
 
 def test_the_bare_loop_trains_the_gpt_the_nanogpt_way(capsys):
