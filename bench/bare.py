@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
         x = data.pixels_to_float(ds.x, ds.mean, ds.std).to(device)
         y = ds.y.to(device)
     model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(device)
-    if cfg.train.channels_last:
+    if cfg.train.channels_last and not lm:
         model = model.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
     if world > 1:

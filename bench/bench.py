@@ -421,6 +421,14 @@ GPU_RATIOS = [
 ]
 
 
+SUITES = {  # suite -> (its rows, its ratios, the base overrides its FLOPs are counted on)
+    "gpu": (gpu_rows, GPU_RATIOS, GPU_BASE),
+    "cpu": (cpu_rows, CPU_RATIOS, CPU_BASE),
+    "ckpt": (ckpt_rows, CKPT_RATIOS, CKPT_BASE),
+    "sweep": (sweep_rows, sweep_ratios(), SWEEP_BASE),
+}
+
+
 def quick(row: Row) -> Row:
     return dataclasses.replace(row, overrides=tuple(QUICK.get(a, a) for a in row.overrides))
 
@@ -671,15 +679,8 @@ def run_suite(
     note: str | None = None,
     rows: list[str] | None = None,
 ) -> dict:
-    names, (rows, specs, base) = (
-        rows,
-        {
-            "gpu": (gpu_rows(), GPU_RATIOS, GPU_BASE),
-            "cpu": (cpu_rows(), CPU_RATIOS, CPU_BASE),
-            "ckpt": (ckpt_rows(), CKPT_RATIOS, CKPT_BASE),
-            "sweep": (sweep_rows(), sweep_ratios(), SWEEP_BASE),
-        }[suite],
-    )
+    make_rows, specs, base = SUITES[suite]
+    names, rows = rows, make_rows()
     if fast:
         rows = [quick(r) for r in rows]
     if only or names:  # a row named exactly (--row) or by the start of its name (--only)
@@ -687,6 +688,8 @@ def run_suite(
         rows = [
             r for r in rows if r.name in (names or ()) or (prefixes and r.name.startswith(prefixes))
         ]
+    if not rows:
+        raise SystemExit(f"no row of the {suite} suite matches --only {only} --row {names}")
     info = machine()
     info["load_avg_before"] = os.getloadavg()
     runs: dict[str, list[dict]] = {r.name: [] for r in rows}
@@ -1024,6 +1027,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be >= 1")
+    if args.row and args.suite != "auto":  # a mistyped name must not write an empty result
+        names = {r.name for r in SUITES[args.suite][0]()}
+        if unknown := [n for n in args.row if n not in names]:
+            parser.error(
+                f"--row {unknown[0]!r} is not a row of the {args.suite} suite: {sorted(names)}"
+            )
     suite = args.suite
     if suite == "auto":
         import torch

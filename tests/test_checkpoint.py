@@ -477,3 +477,20 @@ def test_rank_0s_clock_decides_a_wall_time_save_for_every_rank(tmp_path):
         "dist.timeout_s=30", f"run_dir={run_dir}", nproc=2, torchrun=False,
     )  # fmt: skip
     assert _saves(run_dir) == [(s, "every_minutes") for s in (2, 4, 6, 8, 10)] + [(12, "final")]
+
+
+def test_a_failed_save_does_not_count_and_the_epoch_end_at_its_step_saves(tmp_path, monkeypatch):
+    real_write, failed = store.write, []
+
+    def flaky(root, step, **kw):
+        if step == 6 and not failed:  # the wall-time save at step 6 fails, once
+            failed.append(step)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_write(root, step, **kw)
+
+    monkeypatch.setattr(store, "write", flaky)
+    run = tmp_path / "run"
+    _run(run, "ckpt.async_save=false", "log.every_steps=2", "ckpt.every_minutes=0.000001")
+    assert failed == [6]
+    assert (6, "every_epochs") in _saves(run)  # the epoch end tried again, and it held
+    assert 6 in [s for s, _ in store.list_checkpoints(str(run / "checkpoints"))]

@@ -41,10 +41,11 @@ def assert_same_run(run, reference, tol=1e-5):
         assert (w[name] - t).abs().max().item() <= tol * scale, name
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_ddp_matches_single_process_over_69_steps(reference_runs, world):
+def test_ddp_matches_single_process_over_69_steps(reference_runs):
+    # World 2 only: more ranks are checked bitwise under repro.world_invariant (1, 2, 4 and 8 in
+    # test_world_invariant.py); a plain DDP run on 4 cost 25 s of suite time for the same claim.
     assert len(train_losses(reference_runs(1))) == 69
-    assert_same_run(reference_runs(world), reference_runs(1))
+    assert_same_run(reference_runs(2), reference_runs(1))
 
 
 def test_run_dir_outputs(reference_runs):
@@ -86,15 +87,17 @@ def test_tail_batch_smaller_than_world_trains_and_matches(tmp_path):
 
 
 def test_batch_that_does_not_split_over_ranks_is_exit_2(tmp_path):
+    # The ranks alone (helpers.ranks): the exit code through torchrun is test_launch's.
     p = trainer(
-        "train", *TINY, "data.global_batch_size=3", f"run_dir={tmp_path}", nproc=2, check=False
-    )
-    assert p.returncode != 0
+        "train", *TINY, "data.global_batch_size=3", f"run_dir={tmp_path}", nproc=2,
+        torchrun=False, check=False,
+    )  # fmt: skip
+    assert p.returncode == 2
     assert (
         "data.global_batch_size=3 does not split over 2 ranks: use a multiple of 2 (e.g. data.global_batch_size=2 or 4)"
         in p.stderr
     )
-    # torchrun reports the failed child its own way; our code adds no traceback of its own.
+    # Our code adds no traceback of its own.
     assert f'File "{ROOT}/trainer/' not in p.stderr
 
 
@@ -165,5 +168,8 @@ def test_missing_peer_times_out_as_retryable_in_one_line(tmp_path, rank, addr, s
 
 
 def test_dist_strategy_none_refuses_several_ranks(tmp_path):
-    p = trainer("train", *TINY, "dist.strategy=none", f"run_dir={tmp_path}", nproc=2, check=False)
+    p = trainer(
+        "train", *TINY, "dist.strategy=none", f"run_dir={tmp_path}", nproc=2, torchrun=False,
+        check=False,
+    )  # fmt: skip
     assert p.returncode != 0 and "dist.strategy=none cannot run on 2 ranks" in p.stderr

@@ -1,3 +1,3 @@
-from trainer.cli import main
+from trainer.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -199,8 +199,12 @@ def _cmd_train(args) -> int:
 
     # Installed before the heavy imports: a SIGTERM during setup is honoured, not fatal.
     with StopSignal() as stop:
+        import torch._dynamo  # noqa: F401  (what every optimizer imports: while the collector is off)
+
+        from trainer import startup
         from trainer.train import train
 
+        startup.settle()  # imports done: the collector back on for the run's setup and training
         train(cfg, dry_run=args.dry_run, stop=stop)
     return ExitCode.OK
 
@@ -278,19 +282,20 @@ def _cmd_report(args) -> int:
     return ExitCode.OK
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The `trainer` command; argv None: this process's own entry point (see trainer/startup)."""
+def entry() -> int:
+    """The process's own entry point (the `trainer` script, `python -m trainer`): main() with the
+    garbage collector off while it imports (trainer/startup.py)."""
     from trainer import startup
 
-    if argv is None:
-        startup.begin()
+    startup.begin()
     try:
-        return _run_main(argv)
+        return main()
     finally:
         startup.end()
 
 
-def _run_main(argv: list[str] | None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    """The `trainer` command (argv None: sys.argv); from Python it leaves the collector alone."""
     try:
         code = _main(argv)
     except SystemExit as e:  # argparse: usage errors (2) and --help (0)

@@ -1,19 +1,19 @@
-"""The garbage collector during a process's startup: off while torch and the run are set up,
-then one collection, the survivors frozen, and the collector back on for training.
+"""The garbage collector while a process imports: off until torch, torch._dynamo and the trainer
+are imported, then one collection, the survivors frozen, and the collector back on.
 
-Importing torch (and torch._dynamo, which every optimizer imports) makes ~300,000 objects; the
-cyclic collector runs hundreds of times during that and scans the whole growing heap in each
-full collection: 0.8 s of a 5 s import here, and ~1.6 s (25%) of a one-step `trainer train` on
-2 cores (measured side by side, median of 6). None of those collections finds garbage worth
-having. After setup, `gc.freeze()` moves what setup built (modules, the config, the model)
-out of the collector's sight, so the full collections during training scan only what training
-allocates, and forked data-loader workers do not touch (and so copy) those pages.
+Importing torch and torch._dynamo (which every optimizer imports) makes ~300,000 objects; the
+cyclic collector runs ~750 times during that and scans the whole growing heap in each full
+collection: 0.85 s of a 5.2 s import here. None of those collections finds garbage worth having.
+`gc.freeze()` then moves the imported modules out of the collector's sight, so the full
+collections during training scan only what the run allocates, and forked data-loader workers
+do not touch (and so copy) those pages.
 
-Only the process's own entry point (`trainer ...`, `python -m trainer ...`: cli.main() without
-argv) does this; a library call (tests, a user's script) leaves the collector as it found it.
-`train` settles just before the first step, `eval` and `export` once torch is imported, the
-other commands (short) before they run. The setup time and the number of collections that ran during it are recorded in
-run.json (`startup`).
+Only the process's own entry point (`trainer ...`, `python -m trainer ...`: cli.entry) does
+this, and only while it imports: `train` settles once its imports are done (before the
+rendezvous, the data and the model), `eval` and `export` likewise, the other commands (short)
+before they run. cli.main, which tests and scripts call, leaves the collector as it found it.
+The seconds until the collector came back on and the number of collections that ran before
+are recorded in run.json (`startup`).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def begin() -> None:
 
 
 def settle() -> None:
-    """Setup is done: collect its garbage once, freeze the survivors, collector back on. A no-op
+    """The imports are done: collect once, freeze the survivors, collector back on. A no-op
     unless begin() turned the collector off."""
     global _began, _report
     if _began is None:
@@ -66,6 +66,6 @@ def end() -> None:
 
 
 def report() -> dict | None:
-    """{"seconds": from the command's start to the end of setup, "gc_collections": automatic
-    collections during it (0: the collector was off)}, or None for a library call."""
+    """{"seconds": from the command's start to the end of its imports, "gc_collections":
+    automatic collections during them (0: the collector was off)}, or None for a library call."""
     return _report

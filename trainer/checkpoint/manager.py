@@ -180,10 +180,10 @@ class Checkpointer:
         self.last_saved_step: int | None = None
         """The newest step whose checkpoint is on disk (a background write counts once waited)."""
         self.last_save_time = time.monotonic()
-        """When the last save began (or this run segment started): ckpt.every_minutes counts
-        from it."""
+        """When the last save that did not fail began (or this run segment started):
+        ckpt.every_minutes counts from it."""
         self.last_save_begun: int | None = None
-        """The step of the newest save begun (written, in flight, or failed)."""
+        """The step of the newest save written or in flight (not one that failed)."""
         self.failures = 0
         self._pending: int | None = None
         """The step of the background write in flight (every rank knows it; rank 0 runs it)."""
@@ -371,11 +371,13 @@ class Checkpointer:
         """Write the run's next checkpoint (a collective), prune old ones, and say so; raises
         CheckpointWriteError (ConfigError when ckpt.dir cannot be written at all) on every rank.
         A background save returns once the state is copied; `wait` reports how it ended."""
-        started = time.perf_counter()
-        self.last_save_time, self.last_save_begun = time.monotonic(), state.step
+        started, began = time.perf_counter(), time.monotonic()
         self.wait()  # at most one write in flight
         background = self.cfg.ckpt.async_save and reason in BACKGROUND_SAVES
         path = self.write(self.root, state, results, reason, background=background)
+        # Written (or its write in flight): the cadences count from here. A failed save does
+        # not count, so an epoch end at the same step, or the next log window, tries again.
+        self.last_save_time, self.last_save_begun = began, state.step
         if background:
             self._pending = state.step
         else:
