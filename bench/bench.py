@@ -790,27 +790,21 @@ def sweep_sizes(results: list[dict]) -> list[dict]:
     sizes: dict[int, dict] = {}
     for entry in results:
         overrides = entry["overrides"]
-        width = int(next(a for a in overrides if a.startswith("model.gpt.width=")).split("=")[1])
+        width = _override(tuple(overrides), "model.gpt.width")
         batch = _override(tuple(overrides), "data.global_batch_size")
         params, seq = gpt_shape(tuple(overrides))
         size = sizes.setdefault(width, {"width": width, "params": params})
         rate = entry["median"]  # sequences/s
         step_s = batch / rate
         wait = _median_of(entry["runs"], "data_wait_pct") or 0.0
+        writes = [statistics.median(r["writes_s"]) for r in entry["runs"] if r.get("writes_s")]
         size[f"world_{entry['processes']}"] = {
             "tokens_per_s": rate * seq,
             "step_s": step_s,
             "data_wait_s": step_s * wait / 100,
             "compute_comm_s": step_s * (1 - wait / 100),
             "stall_per_save_s": _median_of(entry["runs"], "ckpt_stall_s"),
-            "write_s": _median_of(
-                [
-                    {"w": statistics.median(r["writes_s"])}
-                    for r in entry["runs"]
-                    if r.get("writes_s")
-                ],
-                "w",
-            ),
+            "write_s": statistics.median(writes) if writes else None,
         }
     return [sizes[w] for w in sorted(sizes)]
 

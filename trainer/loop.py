@@ -126,7 +126,7 @@ def fit(run: Run) -> None:
                 should_save(
                     cfg.ckpt, step=state.step, total_steps=run.total_steps, epoch_done=state.epoch
                 )
-                and run.ckpt.last_save_begun != state.step
+                and run.ckpt.newest_step != state.step
             ):  # not twice (every_minutes, every_steps)
                 _save(run, clock, "every_epochs")
     vote.finish()  # the last vote in flight; the run is complete whatever it says

@@ -182,8 +182,6 @@ class Checkpointer:
         self.last_save_time = time.monotonic()
         """When the last save that did not fail began (or this run segment started):
         ckpt.every_minutes counts from it."""
-        self.last_save_begun: int | None = None
-        """The step of the newest save written or in flight (not one that failed)."""
         self.failures = 0
         self._pending: int | None = None
         """The step of the background write in flight (every rank knows it; rank 0 runs it)."""
@@ -375,9 +373,9 @@ class Checkpointer:
         self.wait()  # at most one write in flight
         background = self.cfg.ckpt.async_save and reason in BACKGROUND_SAVES
         path = self.write(self.root, state, results, reason, background=background)
-        # Written (or its write in flight): the cadences count from here. A failed save does
-        # not count, so an epoch end at the same step, or the next log window, tries again.
-        self.last_save_time, self.last_save_begun = began, state.step
+        # Written (or its write in flight): ckpt.every_minutes counts from here. A failed save
+        # does not count, so the next log window tries again.
+        self.last_save_time = began
         if background:
             self._pending = state.step
         else:
@@ -390,6 +388,11 @@ class Checkpointer:
         if reason not in ROUTINE_SAVES:  # a save the user should see (a signal's): say so
             self.log.info(f"checkpoint {os.path.basename(path)} ({reason}, {took:.2f} s)")
         return path
+
+    @property
+    def newest_step(self) -> int | None:
+        """The step of the newest save on disk or in flight (a failed one does not count)."""
+        return self._pending if self._pending is not None else self.last_saved_step
 
     def wait(self) -> None:
         """The background write in flight, if any, lands, and every rank learns how (a

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -343,12 +344,11 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     for source, layer in _layer_for(config):
         merged = _merge(schema, merged, source, layer)
     cli = _cli_layer(list(overrides))
-    try:  # several overrides in one merge (each merge copies the whole config: ~10 ms each)
-        merged = OmegaConf.merge(merged, *(layer for _, layer in cli)) if len(cli) > 1 else merged
-    except (OmegaConfBaseException, TypeError, ValueError):
-        pass  # merged is untouched: one at a time below, to name the override that fails
-    else:
-        cli = cli if len(cli) == 1 else []
+    # Several overrides in one merge (each merge copies the whole config: ~10 ms an override);
+    # if it fails, merged is untouched and they go one at a time below, to name the culprit.
+    with contextlib.suppress(OmegaConfBaseException, TypeError, ValueError):
+        if len(cli) > 1:
+            merged, cli = OmegaConf.merge(merged, *(layer for _, layer in cli)), []
     for source, layer in cli:
         merged = _merge(schema, merged, source, layer)
     try:
