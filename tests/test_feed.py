@@ -17,9 +17,15 @@ def _cfg(**kw) -> DataConfig:
     return DataConfig(name="synthetic", **kw)
 
 
+def _train_batches(*args):
+    """data.train_batches with each (x, y) batch spread out: (step, x, y, global count)."""
+    for step, (x, y), count in data.train_batches(*args):
+        yield step, x, y, count
+
+
 def _epoch(spec, plan, world):
     """Every rank's batches of one epoch, joined per step into the global batch."""
-    per_rank = [list(data.train_batches(spec, plan, r, world)) for r in range(world)]
+    per_rank = [list(_train_batches(spec, plan, r, world)) for r in range(world)]
     steps = []
     for parts in zip(*per_rank, strict=True):
         assert len({p[0] for p in parts}) == 1 and len({p[3] for p in parts}) == 1
@@ -80,8 +86,8 @@ def test_augmentation_changes_with_epoch_and_is_off_for_evaluation():
     plain = data.build(_cfg(augment=False), seed=0)
     e0 = EpochPlan(n=len(spec.train), global_batch=37, seed=0, epoch=0, shuffle=False)
     e1 = EpochPlan(n=len(spec.train), global_batch=37, seed=0, epoch=1, shuffle=False)
-    (_, x0, _, _), (_, x1, _, _) = (next(data.train_batches(spec, p, 0, 1)) for p in (e0, e1))
-    (_, raw, _, _) = next(data.train_batches(plain, e0, 0, 1))
+    (_, x0, _, _), (_, x1, _, _) = (next(_train_batches(spec, p, 0, 1)) for p in (e0, e1))
+    (_, raw, _, _) = next(_train_batches(plain, e0, 0, 1))
     assert x0.shape == x1.shape == raw.shape == (37, 3, 8, 8)
     differs = [not torch.equal(x0[i], x1[i]) for i in range(37)]
     assert sum(differs) >= 30  # a fresh draw per epoch (a few samples may repeat by chance)
@@ -124,7 +130,7 @@ def test_an_empty_rank_share_is_an_empty_batch_of_the_right_shape():
     for kw in ({}, {"device_resident": True}, {"augment": True}):
         spec = data.build(_cfg(synthetic=SyntheticConfig(shape=[3, 8, 8], size=9), **kw), 0)
         plan = EpochPlan(n=9, global_batch=4, seed=0, epoch=0)
-        last = [list(data.train_batches(spec, plan, r, 4))[-1] for r in range(4)]
+        last = [list(_train_batches(spec, plan, r, 4))[-1] for r in range(4)]
         shapes = sorted(tuple(x.shape) for _, x, _, _ in last)
         assert shapes == [(0, 3, 8, 8)] * 3 + [(1, 3, 8, 8)]
         assert all(x.dtype == torch.float32 and count == 1 for _, x, _, count in last)
@@ -134,11 +140,11 @@ def test_batches_are_normalised_floats_from_uint8_storage():
     spec = data.build(_cfg(synthetic=SyntheticConfig(shape=[3, 16, 16], size=512)), 0)
     assert spec.train.x.dtype == torch.uint8  # a quarter of float32's memory
     plan = EpochPlan(n=512, global_batch=512, seed=0, epoch=0)
-    (_, x, _, _) = next(data.train_batches(spec, plan, 0, 1))
+    (_, x, _, _) = next(_train_batches(spec, plan, 0, 1))
     assert x.dtype == torch.float32
     assert abs(x.mean().item()) < 0.05 and 0.9 < x.std().item() < 1.1
     raw = data.build(_cfg(normalize=False), 0)
-    (_, x, _, _) = next(data.train_batches(raw, plan.__class__(37, 37, 0, 0), 0, 1))
+    (_, x, _, _) = next(_train_batches(raw, plan.__class__(37, 37, 0, 0), 0, 1))
     assert x.min() >= 0 and x.max() <= 1
 
 

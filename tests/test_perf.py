@@ -11,12 +11,17 @@ from torch import nn
 from tests import helpers
 from tests.helpers import read_jsonl, trainer
 from trainer import loop, perf
+from trainer.tasks import Classification, LanguageModel, Regression
+
+
+def _images(n=2, shape=(1, 8, 8)):
+    return torch.zeros(n, *shape), torch.zeros(n, dtype=torch.long)
 
 
 def test_a_linear_layers_flops_are_forward_plus_weight_gradient():
     # forward 2*in*out per sample; backward: the weight gradient (2*in*out), no input gradient
     model = nn.Sequential(nn.Flatten(), nn.Linear(64, 10, bias=False))
-    assert perf.flops_per_sample(model, (1, 8, 8), "classification", "cpu") == 4 * 64 * 10
+    assert perf.flops_per_sample(model, Classification(), _images(), "cpu") == 4 * 64 * 10
 
 
 def test_the_gpts_flops_are_about_6n_per_token_plus_attention():
@@ -24,7 +29,8 @@ def test_the_gpts_flops_are_about_6n_per_token_plus_attention():
 
     layers, width, seq = 2, 64, 32
     model = GPT(vocab=256, seq_len=seq, layers=layers, width=width, heads=2)
-    counted = perf.flops_per_sample(model, (seq,), "lm", "cpu")
+    tokens = torch.zeros(2, seq, dtype=torch.long)
+    counted = perf.flops_per_sample(model, LanguageModel(seq), (tokens, tokens), "cpu")
     # 6N per token over the matmul weights (the tied head counts, the embedding lookup does not)
     # plus causal attention's QK^T and AV, forward and backward: 12 * layers * width * seq.
     n = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2)
@@ -36,7 +42,7 @@ def test_counting_leaves_the_model_and_the_rng_untouched():
     model = nn.Sequential(nn.Flatten(), nn.Linear(16, 4), nn.BatchNorm1d(4), nn.Dropout(0.5))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
-    perf.flops_per_sample(model, (1, 4, 4), "classification", "cpu")
+    perf.flops_per_sample(model, Classification(), _images(2, (1, 4, 4)), "cpu")
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
@@ -47,7 +53,8 @@ def test_a_model_that_cannot_be_counted_reports_no_flops():
         def forward(self, x):
             raise RuntimeError("needs a real batch")
 
-    assert perf.flops_per_sample(Picky(), (3,), "regression", "cpu") is None
+    batch = (torch.zeros(2, 3), torch.zeros(2))
+    assert perf.flops_per_sample(Picky(), Regression(), batch, "cpu") is None
 
 
 @pytest.mark.parametrize(
@@ -74,7 +81,7 @@ def test_mfu_is_model_flops_over_all_ranks_peaks():
 
 def test_a_log_window_reports_tokens_data_wait_and_mfu():
     run = SimpleNamespace(
-        data=SimpleNamespace(task="lm", tokens_per_sample=64),
+        task=LanguageModel(seq_len=64),
         flops_per_sample=1e9,
         peak_flops=1e12,
         world=SimpleNamespace(size=2),

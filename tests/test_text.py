@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from trainer import config, data
+from trainer import config, data, tasks
 from trainer.datasets import text as text_data
 from trainer.errors import UsageError
 
@@ -21,7 +21,8 @@ def test_a_file_is_split_by_position_into_next_byte_windows(tmp_path):
     (tmp_path / "a.txt").write_bytes(corpus)
     _, spec = _load(f"data.text.path={tmp_path / 'a.txt'}", "data.text.seq_len=16")
     assert spec.task == "lm" and spec.num_classes == 256 and spec.in_shape == (16,)
-    assert spec.tokens_per_sample == 16
+    task = tasks.build(config.TaskConfig(), spec)  # task.name=auto: the data's lm
+    assert task.terms_per_sample == task.tokens_per_sample == 16 and task.byte_tokens
     cut = round(len(corpus) * 0.8)
     assert spec.source["train_bytes"] == cut and spec.source["test_bytes"] == len(corpus) - cut
     assert len(spec.train) == (cut - 1) // 16

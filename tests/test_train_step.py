@@ -11,6 +11,7 @@ from tests.helpers import read_jsonl, train_here, trainer, weights
 from trainer import config
 from trainer.optim import Schedule, build_optimizer, build_scheduler
 from trainer.step import TrainStep, make_scaler
+from trainer.tasks import Classification
 
 
 def _setup(**train):
@@ -37,7 +38,7 @@ def _setup(**train):
         optimizer=opt,
         scheduler=sched,
         scaler=make_scaler(cfg.train, "cpu"),
-        task="classification",
+        task=Classification(),
     )
     return step, model
 
@@ -54,12 +55,12 @@ def _max_rel(a, b):
 def test_micro_batches_equal_the_unsplit_step():
     x, y = _batch()
     ref_step, ref = _setup()
-    ref_loss = ref_step(x, y, len(x))
+    ref_loss = ref_step((x, y), len(x))
     for micro in (1, 5, 8, 23):
         step, model = _setup(micro_batch_size=micro)
         sizes = []  # the forwards really ran on micro-batches of at most `micro` samples
         model.register_forward_pre_hook(lambda _m, args, sizes=sizes: sizes.append(len(args[0])))
-        loss = step(x, y, len(x))
+        loss = step((x, y), len(x))
         assert sizes == [len(c) for c in x.split(micro)], (micro, sizes)
         assert abs(loss.item() - ref_loss.item()) <= 1e-6 * abs(ref_loss.item())
         assert _max_rel(model.state_dict(), ref.state_dict()) <= 1e-6, micro
@@ -90,7 +91,7 @@ def test_micro_steps_all_reduce_once_per_step():
                 return fut
 
             step.model.register_comm_hook(None, hook)
-            step(*_batch(), 24)
+            step(_batch(), 24)
         assert calls[None] >= 1 and calls[1] == calls[5] == calls[None], calls
     finally:
         dist.destroy_process_group()
@@ -100,11 +101,11 @@ def test_micro_steps_all_reduce_once_per_step():
 def test_mixed_precision_step_matches_the_fp32_step(precision, tol):
     x, y = _batch()
     ref_step, ref = _setup()
-    ref_loss = ref_step(x, y, len(x))
+    ref_loss = ref_step((x, y), len(x))
     step, model = _setup(precision=precision)
     dtypes = []  # the linear layers really computed in the low precision (autocast)
     model[1].register_forward_hook(lambda _m, _a, out: dtypes.append(out.dtype))
-    loss = step(x, y, len(x))
+    loss = step((x, y), len(x))
     assert dtypes == [{"bf16": torch.bfloat16, "fp16": torch.float16}[precision]]
     assert abs(loss.item() - ref_loss.item()) <= tol * abs(ref_loss.item())
     assert _max_rel(model.state_dict(), ref.state_dict()) <= tol
@@ -115,7 +116,7 @@ def test_fp16_overflow_skips_the_step_and_lowers_the_scale():
     x, y = _batch()
     step, model = _setup(precision="fp16", fp16_init_scale=2.0**60)
     before = copy.deepcopy(model.state_dict())
-    step(x, y, len(x))
+    step((x, y), len(x))
     assert step.skipped_steps == 1 and step.scaler.get_scale() == 2.0**59
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -124,7 +125,7 @@ def test_clipping_bounds_the_update():
     x, y = _batch()
     step, model = _setup(clip_grad_norm=1e-3)
     before = copy.deepcopy(model.state_dict())
-    step(x, y, len(x))
+    step((x, y), len(x))
     # SGD lr 0.1 with a clipped gradient norm 1e-3: the whole update has norm <= 1e-4.
     moved = torch.sqrt(sum(((model.state_dict()[k] - before[k]) ** 2).sum() for k in before))
     assert 0 < moved.item() <= 1e-4 * (1 + 1e-4)
@@ -177,9 +178,9 @@ def test_channels_last_conv_step_matches():
             optimizer=opt,
             scheduler=sched,
             scaler=scaler,
-            task="classification",
+            task=Classification(),
         )
-        outs.append((step(x, y, 8).item(), model))
+        outs.append((step((x, y), 8).item(), model))
         assert (
             seen == [cl] and model[3].weight.is_contiguous(memory_format=torch.channels_last) == cl
         )

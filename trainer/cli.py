@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, record_message
+from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, report
 
 EXIT_CODES = """exit codes:
   0  done
@@ -20,7 +20,7 @@ EXIT_CODES = """exit codes:
 NEWEST = "\0newest"
 """--resume without RUN_DIR (argparse's const: not a path anyone can type)."""
 
-COMMANDS = ("train", "eval", "export", "doctor", "config", "report")
+COMMANDS = ("train", "eval", "export", "doctor", "config", "report", "data")
 """The subcommands (trainer-launch runs `train` under torchrun and the others once)."""
 
 
@@ -139,6 +139,31 @@ def build_parser() -> argparse.ArgumentParser:
         "-o", "--out", metavar="OUT_DIR", help="output folder (default: FIRST_RUN_DIR/report)"
     )
     p.set_defaults(func=_cmd_report)
+
+    p = sub.add_parser(
+        "data",
+        help="prepare data: tokenize text into token files for data.name=tokens",
+        description="tokenize SRC -o OUT: write OUT/train.bin, OUT/test.bin and OUT/tokens.json "
+        "from a text file or a folder of them, one file at a time (nanoGPT's format; train with "
+        "data.name=tokens data.tokens.path=OUT). The split is data.name=text's.",
+    )
+    p.add_argument("action", choices=("tokenize",), help="tokenize: text -> token files")
+    p.add_argument("src", help="a text file, or a folder of them (every file under it)")
+    p.add_argument("-o", "--out", required=True, help="the folder to write the token files to")
+    p.add_argument(
+        "--tokenizer",
+        default="bytes",
+        help="bytes (default: a vocabulary of 256) or package.module:obj, a callable from a "
+        "file's bytes to its token ids with a vocab_size attribute",
+    )
+    p.add_argument(
+        "--test-fraction",
+        type=float,
+        default=0.2,
+        help="share of files (or of the stream) for test",
+    )
+    p.add_argument("--split-seed", type=int, default=0, help="seed of the per-file split")
+    p.set_defaults(func=_cmd_data)
     return parser
 
 
@@ -282,6 +307,21 @@ def _cmd_report(args) -> int:
     return ExitCode.OK
 
 
+def _cmd_data(args) -> int:
+    if not 0 < args.test_fraction < 1:
+        raise UsageError(f"--test-fraction {args.test_fraction}: must be > 0 and < 1, e.g. 0.1")
+    from trainer.datasets.tokens import write_token_files
+
+    write_token_files(
+        args.src,
+        args.out,
+        tokenizer=args.tokenizer,
+        test_fraction=args.test_fraction,
+        split_seed=args.split_seed,
+    )
+    return ExitCode.OK
+
+
 def entry() -> int:
     """The process's own entry point (the `trainer` script, `python -m trainer`): main() with the
     garbage collector off while it imports (trainer/startup.py)."""
@@ -346,11 +386,5 @@ def _main(argv: list[str] | None) -> int:
         startup.settle()
     try:
         return int(args.func(args))
-    except TrainerError as e:
-        # Config errors are the same on every rank: rank 0 reports. Others may differ per rank.
-        if _is_rank0() or e.every_rank:
-            rank = "" if _is_rank0() else f"[rank {os.environ.get('RANK')}] "
-            line = f"trainer: error: {rank}{e}"
-            print(line, file=sys.stderr, flush=True)
-            record_message(line)
-        return int(e.exit_code)
+    except TrainerError as e:  # one line (rank 0's alone where every rank has the same)
+        return report(e)

@@ -2,6 +2,8 @@
 
 A dataset factory takes (DataConfig, seed) and returns a DataSpec; the built-in factories live in
 trainer/datasets/. `build` adds how batches are delivered (device, augmentation, workers).
+A split's `take(idx)` returns a batch: an (inputs, targets) tuple for the built-in datasets, or
+any tensor, tuple, list or dict of tensors (trainer/batch.py) that the run's Task understands.
 
 Two ways a batch reaches the model, both giving identical tensors:
 - host: a DataLoader whose batch sampler is this rank's slices of the global batches (so the
@@ -21,6 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from trainer import batch as batches
 from trainer import registry, sampler
 from trainer.config import DataConfig
 from trainer.datasets.augment import crop_flip
@@ -48,13 +51,21 @@ def _moved(t: torch.Tensor | None, device) -> torch.Tensor | None:
 
 
 def _float_converter(data: Split, device: str):
-    """pixels_to_float for one pass over `data`, its statistics copied to the device once."""
+    """pixels_to_float on the inputs of (inputs, targets) batches of a split that keeps image
+    statistics (ArrayDataset, FolderDataset), its statistics copied to the device once; other
+    batches pass unchanged."""
+    if not hasattr(data, "mean"):
+        return lambda b: b
     mean, std = _moved(data.mean, device), _moved(data.std, device)
-    return lambda x: pixels_to_float(x, mean, std)
+    return lambda b: (pixels_to_float(b[0], mean, std), *b[1:]) if isinstance(b, tuple) else b
 
 
 class Split(Protocol):
-    """What the batch streams need of a split: ArrayDataset, or a lazy FolderDataset."""
+    """What the batch streams need of a split: ArrayDataset, a lazy FolderDataset, or yours.
+
+    Only __len__ and take are required; `span` defaults to take(range), `lazy` to False, and
+    `to(device)` is needed only for data.device_resident.
+    """
 
     lazy: bool
     """Decodes files per sample (cannot live on the device)."""
@@ -63,11 +74,13 @@ class Split(Protocol):
 
     def __len__(self) -> int: ...
 
-    def take(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stored inputs (uint8 pixels, floats or tokens) and targets of samples `idx`."""
+    def take(self, idx) -> batches.Batch:
+        """The batch of samples `idx` (an int64 numpy array or tensor, possibly empty): for the
+        built-ins (stored inputs: uint8 pixels, floats or tokens, targets); for yours, any
+        tensor, tuple or dict of tensors with len(idx) rows each."""
         ...
 
-    def span(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def span(self, lo: int, hi: int) -> batches.Batch:
         """Samples lo..hi-1 (views where the storage allows)."""
         ...
 
@@ -135,22 +148,22 @@ class LoaderOptions:
     device_resident: bool = False
 
 
-TASKS = ("classification", "regression", "lm")
-
-
 @dataclass(frozen=True)
 class DataSpec:
     """What the rest of the job needs to know about a dataset."""
 
     train: Split
-    """An ArrayDataset, or a lazy split such as trainer.datasets.folder.FolderDataset."""
+    """An ArrayDataset, a lazy split such as trainer.datasets.folder.FolderDataset, or any
+    object with __len__ and take(idx) (the Split protocol)."""
     test: Split
-    task: str
-    """classification | regression | lm (next-token prediction: targets are token sequences)"""
-    in_shape: tuple[int, ...]
-    """One sample's input shape, e.g. (1, 8, 8)."""
-    num_classes: int
-    """Classes (classification) or target width (regression)."""
+    task: str | None = None
+    """The dataset's own task, which task.name=auto trains: classification | regression | lm
+    (next-token prediction: targets are token sequences) | `package.module:obj` | None (the
+    config's task.name must say)."""
+    in_shape: tuple[int, ...] = ()
+    """One sample's input shape, e.g. (1, 8, 8), offered to model factories."""
+    num_classes: int = 0
+    """Classes (classification), target width (regression) or vocabulary size (lm)."""
     target_scale: float = 1.0
     """Regression: the std the targets were divided by; eval reports MSE and MAE in the
     target's own units (times this, squared for MSE)."""
@@ -160,37 +173,54 @@ class DataSpec:
     _loaders: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     """DataLoaders kept across epochs, so persistent workers persist."""
 
-    @property
-    def tokens_per_sample(self) -> int:
-        """Loss terms per sample: the sequence length for lm, else 1."""
-        return self.in_shape[0] if self.task == "lm" else 1
-
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {self.task!r}")
+        if self.task is not None and not isinstance(self.task, str):
+            raise UsageError(
+                f"DataSpec.task must be a task name (e.g. 'classification', 'pkg.mod:MyTask') or "
+                f"None, got {type(self.task).__name__}"
+            )
+        for name in ("train", "test"):
+            split = getattr(self, name)
+            if not (hasattr(split, "__len__") and callable(getattr(split, "take", None))):
+                raise UsageError(
+                    f"DataSpec.{name} is a {type(split).__name__}, which lacks __len__ or "
+                    "take(idx): give an object with both (the Split protocol, docs/extending.md)"
+                )
         if len(self.train) == 0 or len(self.test) == 0:
             raise UsageError("the dataset has an empty train or test split: check data.* settings")
 
 
-def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
-    """The dataset `data.name`, delivering batches to `device` as data.* asks."""
-    spec = registry.factory("data.name", cfg.name)(cfg, seed)
+def build(cfg: DataConfig, seed: int, device: str = "cpu", source=None) -> DataSpec:
+    """The dataset `data.name` (or `source`, trainer.fit's: a DataSpec, or a factory called as
+    data.name's are, with (DataConfig, seed)), delivering batches to `device` as data.* asks."""
+    if isinstance(source, DataSpec):
+        spec = source
+    else:
+        make = source if source is not None else registry.factory("data.name", cfg.name)
+        spec = make(cfg, seed)
     if not isinstance(spec, DataSpec):
         raise UsageError(
-            f"data.name: factory '{cfg.name}' returned {type(spec).__name__}, not trainer.data.DataSpec"
+            f"data.name: factory '{cfg.name}' returned {type(spec).__name__}, not a "
+            "trainer.DataSpec: return DataSpec(train=..., test=..., task=...) (docs/extending.md)"
         )
-    if cfg.augment and len(spec.in_shape) != 3:
+    if cfg.augment and len(tuple(spec.in_shape)) != 3:
         raise UsageError(
             f"data.augment=true crops and flips images, but {cfg.name} samples have shape "
             f"{tuple(spec.in_shape)}: set data.augment=false"
         )
     train, test = spec.train, spec.test
     if cfg.device_resident:
-        if train.lazy or test.lazy:
+        if getattr(train, "lazy", False) or getattr(test, "lazy", False):
             raise UsageError(
                 f"data.device_resident=true needs an in-memory dataset, but {cfg.name} decodes "
                 "files per sample: set data.device_resident=false (and data.num_workers to decode "
                 "in parallel)"
+            )
+        if not all(callable(getattr(split, "to", None)) for split in (train, test)):
+            raise UsageError(
+                f"data.device_resident=true moves the dataset to the device with its splits' "
+                f"to(device), which {type(train).__name__} lacks: add one, or set "
+                "data.device_resident=false"
             )
         train, test = train.to(device), test.to(device)  # once, for the whole run
     options = LoaderOptions(
@@ -207,50 +237,103 @@ def build(cfg: DataConfig, seed: int, device: str = "cpu") -> DataSpec:
 
 def train_batches(
     spec: DataSpec, plan: sampler.EpochPlan, rank: int, world_size: int, start: int = 0
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, int]]:
-    """Yield (step_in_epoch, x, y, global_batch_size) for this rank, from step `start` on.
+) -> Iterator[tuple[int, batches.Batch, int]]:
+    """Yield (step_in_epoch, batch, global_batch_size) for this rank, from step `start` on.
 
-    x is float, normalised and (with data.augment) augmented, on spec.loader.device. A rank whose
-    share of a tail batch is empty still gets a step: x of shape (0, *in_shape).
+    The batch is on spec.loader.device; (x, y) inputs are float, normalised and (with
+    data.augment) augmented. A rank whose share of a tail batch is empty still gets a step: a
+    batch of 0 samples (x of shape (0, *in_shape)).
     """
     opts = spec.loader
     pad = opts.crop_padding if opts.augment else None
     to_float = _float_converter(spec.train, opts.device)
     if opts.device_resident:
         order = torch.from_numpy(plan.order()).to(opts.device)  # one copy per epoch
+        first = True
         for step, lo, hi, count in plan.rank_spans(rank, world_size, start):
             idx = order[lo:hi]
-            x, y = spec.train.take(idx)
+            batch = spec.train.take(idx)
+            if first:  # the contract, once per pass: not a cost on every step
+                first = _checked(spec.train, "train", idx, batch, opts.device) is None
             if pad is not None:
-                x = crop_flip(x, idx, plan.seed, plan.epoch, pad)
-            yield step, to_float(x), y, count
+                batch = (crop_flip(batch[0], idx, plan.seed, plan.epoch, pad), *batch[1:])
+            yield step, to_float(batch), count
         return
     steps = list(plan.rank_batches(rank, world_size, start))
     keys = [(plan.seed, plan.epoch, idx) for _, idx, _ in steps]
-    for (step, _, count), (x, y) in zip(
+    for (step, _, count), batch in zip(
         steps, _fetched(spec, "train", rank, world_size, keys), strict=True
     ):
-        x, y = _to_device(x, y, opts)
-        yield step, to_float(x), y, count
+        yield step, to_float(_to_device(batch, opts)), count
 
 
 def eval_batches(
     spec: DataSpec, batch: int, rank: int, world_size: int, *, whole: bool = False
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Yield (x, y) for this rank over the test split; over all ranks, each sample exactly once
+) -> Iterator[batches.Batch]:
+    """Yield this rank's batches of the test split; over all ranks, each sample exactly once
     (whole=True: whole batches per rank, see sampler.eval_spans)."""
     opts = spec.loader
     to_float = _float_converter(spec.test, opts.device)
     n = len(spec.test)
     if opts.device_resident:
-        for lo, hi in sampler.eval_spans(n, batch, rank, world_size, whole):
-            x, y = spec.test.span(lo, hi)
-            yield to_float(x), y
+        for i, (lo, hi) in enumerate(sampler.eval_spans(n, batch, rank, world_size, whole)):
+            got = _span(spec.test, lo, hi)
+            if i == 0:
+                _checked(spec.test, "test", range(lo, hi), got, opts.device)
+            yield to_float(got)
         return
     keys = [(0, None, idx) for idx in sampler.eval_batches(n, batch, rank, world_size, whole)]
-    for x, y in _fetched(spec, "test", rank, world_size, keys):
-        x, y = _to_device(x, y, opts)
-        yield to_float(x), y
+    for got in _fetched(spec, "test", rank, world_size, keys):
+        yield to_float(_to_device(got, opts))
+
+
+def _span(split: Split, lo: int, hi: int) -> batches.Batch:
+    span = getattr(split, "span", None)
+    return span(lo, hi) if callable(span) else split.take(np.arange(lo, hi, dtype=np.int64))
+
+
+def _checked(
+    split: Split, name: str, idx, batch: batches.Batch, device: str | None = None
+) -> batches.Batch:
+    """`batch` if it is what take(idx) promises: tensors (tuple, list or dict of them) with
+    len(idx) samples each (on `device`, for a device-resident split); else a one-line
+    UsageError naming the split's class."""
+    who = f"{type(split).__name__}.take ({name} split)"
+    leaves = batches.tensors(batch)
+    if not leaves or len(leaves) != _leaf_count(batch):
+        raise UsageError(
+            f"{who} returned {_described(batch)}: return a tensor, or a tuple or dict of torch "
+            "tensors (torch.from_numpy for arrays)"
+        )
+    try:
+        n = batches.size(batch)
+    except ValueError as e:
+        raise UsageError(f"{who}: {e}") from None
+    if n != len(idx):
+        raise UsageError(f"{who} returned {n} samples for {len(idx)} indices: one row per index")
+    kind = None if device is None else torch.device(device).type
+    wrong = [t.device for t in leaves if kind is not None and t.device.type != kind]
+    if wrong:
+        raise UsageError(
+            f"{who} returned tensors on {wrong[0]}, but data.device_resident=true put the split "
+            f"on {device}: its to(device) must move every tensor take() reads from"
+        )
+    return batch
+
+
+def _leaf_count(batch) -> int:
+    if isinstance(batch, dict):
+        return sum(_leaf_count(v) for v in batch.values())
+    if isinstance(batch, (tuple, list)):
+        return sum(_leaf_count(v) for v in batch)
+    return 1
+
+
+def _described(batch) -> str:
+    if isinstance(batch, (dict, tuple, list)):
+        kinds = {type(t).__name__ for t in (batch.values() if isinstance(batch, dict) else batch)}
+        return f"a {type(batch).__name__} of {', '.join(sorted(kinds)) or 'nothing'}"
+    return f"a {type(batch).__name__}"
 
 
 def _fetched(spec: DataSpec, split: str, rank: int, world_size: int, keys: list):
@@ -261,7 +344,8 @@ def _fetched(spec: DataSpec, split: str, rank: int, world_size: int, keys: list)
     """
     opts = spec.loader
     if opts.num_workers == 0 and not opts.pin_memory:
-        reader = _BatchReader(spec.train if split == "train" else spec.test, _pad(opts, split))
+        data = spec.train if split == "train" else spec.test
+        reader = _BatchReader(data, _pad(opts, split), split)
         yield from (reader.__getitems__(k) for k in keys)
         return
     loader = _loader(spec, split, rank, world_size)
@@ -278,12 +362,9 @@ def _pad(opts: LoaderOptions, split: str) -> int | None:
     return opts.crop_padding if opts.augment and split == "train" else None
 
 
-def _to_device(x: torch.Tensor, y: torch.Tensor, opts: LoaderOptions):
+def _to_device(batch: batches.Batch, opts: LoaderOptions) -> batches.Batch:
     # Pinned host memory lets the copy overlap with compute; uint8 pixels cross as uint8.
-    return (
-        x.to(opts.device, non_blocking=opts.pin_memory),
-        y.to(opts.device, non_blocking=opts.pin_memory),
-    )
+    return batches.to_device(batch, opts.device, non_blocking=opts.pin_memory)
 
 
 class _PassKeys:
@@ -306,20 +387,23 @@ class _PassKeys:
 class _BatchReader(torch.utils.data.Dataset):
     """Runs in the loader (a worker or the main process): gather or decode, then augment."""
 
-    def __init__(self, data: Split, pad: int | None):
-        self.data, self.pad = data, pad
+    def __init__(self, data: Split, pad: int | None, name: str):
+        self.data, self.pad, self.name = data, pad, name
+        self.checked = False
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitems__(self, key):
         seed, epoch, idx = key
-        x, y = self.data.take(idx)
+        batch = self.data.take(idx)
+        if not self.checked:  # the contract, once per process: not a cost on every step
+            _checked(self.data, self.name, idx, batch)
+            self.checked = True
         if self.pad is not None and epoch is not None:
-            x = crop_flip(
-                x, torch.from_numpy(np.asarray(idx, dtype=np.int64)), seed, epoch, self.pad
-            )
-        return x, y
+            index = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+            batch = (crop_flip(batch[0], index, seed, epoch, self.pad), *batch[1:])
+        return batch
 
 
 def _whole_batch(batch):
@@ -332,7 +416,7 @@ def _loader(spec: DataSpec, split: str, rank: int, world_size: int) -> torch.uti
         opts = spec.loader
         data = spec.train if split == "train" else spec.test
         spec._loaders[key] = torch.utils.data.DataLoader(
-            _BatchReader(data, _pad(opts, split)),
+            _BatchReader(data, _pad(opts, split), split),
             batch_sampler=_PassKeys(),
             collate_fn=_whole_batch,
             num_workers=opts.num_workers,

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from trainer import batch as batches
 from trainer import data, metrics, ranks
 from trainer.checkpoint import store
 from trainer.errors import UsageError
 from trainer.results import Results
 from trainer.strategy import unwrap
+from trainer.tasks import checked_metrics, forward
 
 if TYPE_CHECKING:
     from trainer.run import Run
@@ -63,9 +65,9 @@ def _last_batch_step(run: Run, plan) -> dict:
     """One training step on the epoch's last, smallest batch, where an uneven tail would crash."""
     world = run.world
     last = len(plan) - 1
-    index, x, y, count = next(data.train_batches(run.data, plan, world.rank, world.size, last))
+    index, batch, count = next(data.train_batches(run.data, plan, world.rank, world.size, last))
     started = time.perf_counter()
-    loss = run.step(x.to(world.device), y.to(world.device), count)
+    loss = run.step(batch, count)
     loss = ranks.all_reduce_sum(loss.double()).item()
     _sync(world.device)
     if not math.isfinite(loss):
@@ -75,7 +77,7 @@ def _last_batch_step(run: Run, plan) -> dict:
     return {
         "step_in_epoch": index,
         "global_samples": count,
-        "this_rank_samples": len(y),
+        "this_rank_samples": batches.size(batch),
         "loss": loss,
         "seconds": time.perf_counter() - started,
     }
@@ -85,11 +87,13 @@ def _eval_batch(run: Run) -> dict:
     world = run.world
     started = time.perf_counter()
     net = unwrap(run.model).eval()
-    with torch.no_grad():
-        batches = data.eval_batches(run.data, run.cfg.data.eval_batch_size, world.rank, world.size)
-        ex, ey = next(batches)
-        counts = torch.tensor([len(ey)], dtype=torch.float64, device=world.device)
-        net(ex.to(world.device))
+    with torch.no_grad():  # the task's metrics contract, checked on a real batch
+        stream = data.eval_batches(run.data, run.cfg.data.eval_batch_size, world.rank, world.size)
+        first = next(stream, None)
+        n = 0 if first is None else batches.size(first)
+        counts = torch.tensor([n], dtype=torch.float64, device=world.device)
+        if first is not None:
+            checked_metrics(run.task, run.task.metrics(forward(run.task, net, first), first))
     ranks.all_reduce_sum(counts)
     net.train()
     return {"global_samples": int(counts.item()), "seconds": time.perf_counter() - started}

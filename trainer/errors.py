@@ -117,6 +117,20 @@ def node_exit_code(folder: str, fallback: int, signalled: bool = False) -> int:
     return fallback
 
 
+def report(e: "TrainerError", prog: str = "trainer") -> int:
+    """Print a TrainerError as its one line (rank 0 alone for errors that are the same on every
+    rank), leave it for the launcher, and return its exit code."""
+    import os
+    import sys
+
+    rank = os.environ.get("RANK", "0")
+    if rank in ("", "0") or e.every_rank:
+        line = f"{prog}: error: {'' if rank in ('', '0') else f'[rank {rank}] '}{e}"
+        print(line, file=sys.stderr, flush=True)
+        record_message(line)
+    return int(e.exit_code)
+
+
 class TrainerError(Exception):
     """An error the user can act on: printed as one line with its exit code, no traceback."""
 

@@ -2,81 +2,111 @@
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
 
-from trainer import data, models, ranks, sampler
+from trainer import batch as batches
+from trainer import data, models, ranks, sampler, tasks
 from trainer.config import Config
+from trainer.errors import UsageError
 from trainer.ranks import World
-from trainer.step import loss_sum
 from trainer.strategy import unwrap
+from trainer.tasks import Task, checked_metrics, forward
 
 
 @torch.inference_mode()
 def evaluate(
-    model, spec: data.DataSpec, world: World, batch: int, *, whole_batches: bool = False
+    model,
+    spec: data.DataSpec,
+    task: Task,
+    world: World,
+    batch: int,
+    *,
+    whole_batches: bool = False,
 ) -> dict:
-    """Metrics over the whole test split, each sample counted once across ranks:
+    """The task's metrics over the whole test split, each sample counted once across ranks.
 
-    - classification: loss, accuracy;
-    - regression: loss (MSE of the standardised target), mse and mae in the target's own units;
-    - lm: loss per token, perplexity, bits_per_byte (tokens are bytes), next-byte accuracy.
+    Each batch's task.metrics (a (sum, count) per metric) go in one float64 row; the rows are
+    added over batches and ranks, then task.summarize turns the totals into numbers (the
+    built-ins: loss and accuracy; loss, mse and mae in the target's units; loss per token,
+    perplexity, bits per byte and next-token accuracy). `count` is the samples evaluated.
 
-    whole_batches (repro.world_invariant): each rank evaluates whole batches, every batch's sums
-    go in its own row of a table that the ranks fill in (one rank's row plus zeros: an exact
+    whole_batches (repro.world_invariant): each rank evaluates whole batches, every batch's row
+    goes in its own row of a table that the ranks fill in (one rank's row plus zeros: an exact
     all-reduce), and the rows are added in batch order: the same bits on any world size.
     """
     net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
     was_training = net.training
     net.eval()
-    batches = data.eval_batches(spec, batch, world.rank, world.size, whole=whole_batches)
+    found = [
+        _batch_sums(net, task, b)
+        for b in data.eval_batches(spec, batch, world.rank, world.size, whole=whole_batches)
+    ]
+    net.train(was_training)
+    mine = found[0][0] if found else None
+    names = ranks.first_of_ranks(mine)  # a rank without batches learns the names
+    if names is None:
+        raise UsageError("evaluation: the test split gave no batches on any rank")
+    width = 2 * len(names) + 2  # (sum, count) per metric, samples, a mismatch flag
+    rows = [_row(names, sums, n, width, world.device) for _, sums, n in found]
     if whole_batches:
         n_batches = -(-len(spec.test) // batch)
         first = sampler.chunk_bounds(n_batches, world.rank, world.size)[0]
-        table = torch.zeros(n_batches, 3, dtype=torch.float64, device=world.device)
-        for i, (x, y) in enumerate(batches):
-            table[first + i] = _batch_sums(net, spec, x, y, world.device)
+        table = torch.zeros(n_batches, width, dtype=torch.float64, device=world.device)
+        for i, row in enumerate(rows):
+            table[first + i] = row
         totals = ranks.all_reduce_sum(table).sum(dim=0)
     else:
-        totals = torch.zeros(3, dtype=torch.float64, device=world.device)
-        for x, y in batches:
-            totals += _batch_sums(net, spec, x, y, world.device)
+        totals = torch.zeros(width, dtype=torch.float64, device=world.device)
+        for row in rows:
+            totals += row
         ranks.all_reduce_sum(totals)
-    net.train(was_training)
-    loss_total, second, terms = totals.tolist()
-    loss = loss_total / terms
-    if spec.task == "lm":
-        return {
-            "loss": loss,
-            "perplexity": math.exp(min(loss, 700.0)),
-            "bits_per_byte": loss / math.log(2),
-            "accuracy": second / terms,
-            "tokens": int(terms),
-            "count": int(terms) // spec.tokens_per_sample,
-        }
-    result = {"loss": loss, "count": int(terms)}
-    if spec.task == "classification":
-        result["accuracy"] = second / terms
-    else:  # the loss is the MSE of standardised targets; report both in the target's units
-        result["mse"] = loss * spec.target_scale**2
-        result["mae"] = second / terms * spec.target_scale
+    values = totals.tolist()
+    if values[-1]:
+        raise UsageError(
+            f"{type(task).__name__}.metrics returned different names on different batches or "
+            f"ranks (expected {', '.join(names)}): return the same metrics for every batch"
+        )
+    pairs = {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
+    if any(c < 0 for _, c in pairs.values()):
+        raise UsageError(f"{type(task).__name__}.metrics: a count summed to less than 0")
+    result = _summary(task, pairs)
+    result.setdefault("count", int(values[-2]))
     return result
 
 
-def _batch_sums(net, spec: data.DataSpec, x, y, device: str) -> torch.Tensor:
-    """(loss sum, correct or absolute-error sum, loss terms) of one batch, in float64."""
-    x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-    out = net(x)
-    sums = torch.zeros(3, dtype=torch.float64, device=device)
-    sums[0] = loss_sum(spec.task, out, y).double()
-    if spec.task == "regression":
-        sums[1] = (out - y.reshape(out.shape).to(out.dtype)).abs().sum().double()
-    else:
-        sums[1] = (out.argmax(dim=-1) == y).sum()
-    sums[2] = y.numel() if spec.task == "lm" else len(y)
-    return sums
+def _batch_sums(net, task: Task, b) -> tuple[tuple[str, ...], dict, int]:
+    """(metric names, {name: (sum, count)}, samples) of one batch."""
+    sums = checked_metrics(task, task.metrics(forward(task, net, b), b))
+    return tuple(sums), sums, batches.size(b)
+
+
+def _row(names, sums: dict, samples: int, width: int, device: str) -> torch.Tensor:
+    """One batch's float64 row: each metric's sum and count, the samples, and 1 if its metric
+    names are not `names` (added over ranks, so every rank learns of a mismatch)."""
+    row = torch.zeros(width, dtype=torch.float64, device=device)
+    if tuple(sums) != tuple(names):
+        row[-1] = 1
+        return row
+    for i, (total, count) in enumerate(sums.values()):
+        row[2 * i] = total.double() if isinstance(total, torch.Tensor) else total
+        row[2 * i + 1] = count.double() if isinstance(count, torch.Tensor) else count
+    row[-2] = samples
+    return row
+
+
+def _summary(task: Task, totals: dict) -> dict:
+    result = task.summarize(totals)
+    if not isinstance(result, dict) or not all(
+        isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+        for k, v in result.items()
+    ):
+        raise UsageError(
+            f"{type(task).__name__}.summarize returned {type(result).__name__} "
+            f"{str(result)[:60]}: return a dict of metric name -> number"
+        )
+    return result
 
 
 def evaluate_saved(cfg: Config, src: str) -> dict:
@@ -86,6 +116,7 @@ def evaluate_saved(cfg: Config, src: str) -> dict:
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
     with ranks.process_group(world, cfg.dist.timeout_s):
         spec = data.build(cfg.data, cfg.seed)
-        model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task)
+        task = tasks.build(cfg.task, spec)
+        model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task, data=spec)
         load_weights_into(model, src, model_cfg=cfg.model)
-        return evaluate(model.to(world.device), spec, world, cfg.data.eval_batch_size)
+        return evaluate(model.to(world.device), spec, task, world, cfg.data.eval_batch_size)

@@ -92,12 +92,8 @@ def fit(run: Run) -> None:
         batches = data.train_batches(
             run.data, plan, run.world.rank, run.world.size, state.step_in_epoch
         )
-        for _, x, y, count in clock.timed(batches):
-            x, y = (
-                x.to(run.world.device, non_blocking=True),
-                y.to(run.world.device, non_blocking=True),
-            )
-            losses.add(run.step(x, y, count, state.step), count)
+        for _, batch, count in clock.timed(batches):  # batches are on the device already
+            losses.add(run.step(batch, count, state.step), count)
             state.step += 1
             state.step_in_epoch += 1
             state.samples_seen += count
@@ -172,12 +168,13 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool
 
 
 def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
-    """samples/s (tokens/s for an LM), the share of time this rank waited for data (rank 0's,
-    in percent: the rest is compute and communication, which DDP overlaps), and MFU."""
+    """samples/s (and tokens/s for a task with tokens_per_sample, as an LM's), the share of time
+    this rank waited for data (rank 0's, in percent: the rest is compute and communication,
+    which DDP overlaps), and MFU."""
     rate = samples / elapsed if elapsed > 0 else 0.0
     out = {"samples_per_s": rate}
-    if run.data.task == "lm":
-        out["tokens_per_s"] = rate * run.data.tokens_per_sample
+    if run.task.tokens_per_sample:
+        out["tokens_per_s"] = rate * run.task.tokens_per_sample
     out["data_wait_pct"] = 100.0 * waited / elapsed if elapsed > 0 else 0.0
     used = perf.mfu(rate, run.flops_per_sample, run.peak_flops, run.world.size)
     if used is not None:
@@ -190,6 +187,7 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
         result = evaluate(
             run.model,
             run.data,
+            run.task,
             run.world,
             run.cfg.data.eval_batch_size,
             whole_batches=run.cfg.repro.world_invariant,

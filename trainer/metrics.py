@@ -48,6 +48,8 @@ def memory_line(memory: list[dict]) -> str:
         f"per rank: params {mib(r['param_bytes'])} + grads {mib(r['grad_bytes'])} + optimizer "
         f"{mib(r['optimizer_bytes'])} = {mib(r['total_bytes'])}"
     )
+    if "peak_rss_bytes" in r:
+        line += f" | peak RSS {mib(max(m['peak_rss_bytes'] for m in memory))}"
     if "peak_gpu_bytes" in r:
         line += f" | peak GPU memory {mib(max(m['peak_gpu_bytes'] for m in memory))}"
     return line

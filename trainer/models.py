@@ -1,14 +1,13 @@
 """Model factories. Built-ins and `package.module:factory` plug-ins are called the same way.
 
 A factory receives, by keyword and only if its signature names them: in_shape, in_channels,
-num_classes (from the dataset unless model.* sets them), hidden, dropout, activation, layers,
-width, heads (model.gpt.*); plus everything in model.kwargs.
+num_classes (from the dataset unless model.* sets them), data (the DataSpec itself), hidden,
+dropout, activation, layers, width, heads (model.gpt.*); plus everything in model.kwargs.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 from torch import nn
 
@@ -166,7 +165,7 @@ def _check_fits_data(
 ) -> None:
     """model.in_channels / model.num_classes against the dataset's, before a shape error deep in
     the first forward pass (or an out-of-range target in the loss) says it less clearly."""
-    if cfg.in_channels and task != "lm" and cfg.in_channels != in_shape[0]:
+    if cfg.in_channels and task != "lm" and in_shape and cfg.in_channels != in_shape[0]:
         raise UsageError(
             f"model.in_channels={cfg.in_channels}, but the dataset's samples have "
             f"{in_shape[0]} channel(s) (shape {tuple(in_shape)}): set model.in_channels="
@@ -189,10 +188,17 @@ def _check_fits_data(
 
 
 def build(
-    cfg: ModelConfig, in_shape: tuple[int, ...], num_classes: int, task: str | None = None
+    cfg: ModelConfig,
+    in_shape: tuple[int, ...],
+    num_classes: int,
+    task: str | None = None,
+    *,
+    data=None,
+    factory=None,
 ) -> nn.Module:
-    """Instantiate model.name with the arguments its factory asks for (checked against the
-    dataset's task, when given)."""
+    """Instantiate model.name (or `factory`, trainer.fit's) with the arguments its factory asks
+    for (checked against the dataset's task, when given); `data` is the DataSpec, offered to
+    factories that name it."""
     if task == "lm" and cfg.name in _NOT_LM:
         raise UsageError(
             f"model.name={cfg.name} cannot read data.name=text's byte tokens: use model.name=gpt "
@@ -203,28 +209,23 @@ def build(
             f"model.name=gpt is a language model, but this dataset's task is {task}: use "
             "data.name=text, or another model"
         )
+    in_shape = tuple(in_shape)
     _check_fits_data(cfg, in_shape, num_classes, task)
-    factory = registry.factory("model.name", cfg.name)
-    channels = cfg.in_channels or in_shape[0]
+    if factory is None:
+        factory = registry.factory("model.name", cfg.name)
+    channels = cfg.in_channels or (in_shape[0] if in_shape else None)
     offered = {
-        "in_shape": (channels, *in_shape[1:]),
+        "in_shape": (channels, *in_shape[1:]) if in_shape else in_shape,
         "in_channels": channels,
         "num_classes": cfg.num_classes or num_classes,
+        "data": data,
         "hidden": tuple(cfg.hidden),
         "dropout": cfg.dropout,
         "activation": cfg.activation,
     }
     if cfg.name == "gpt":  # not to plug-ins that happen to name a parameter `layers`
         offered.update(dataclasses.asdict(cfg.gpt))
-    params = inspect.signature(factory).parameters
-    kwargs = {k: v for k, v in offered.items() if k in params}
-    kwargs.update(cfg.kwargs)
-    try:
-        model = factory(**kwargs)
-    except TypeError as e:
-        raise UsageError(
-            f"model.name: '{cfg.name}' rejected its arguments ({e}); adjust model.kwargs"
-        ) from None
+    model = registry.call_with("model.name", cfg.name, factory, offered, cfg.kwargs)
     if not isinstance(model, nn.Module):
         raise UsageError(
             f"model.name: '{cfg.name}' returned {type(model).__name__}, not a torch.nn.Module"

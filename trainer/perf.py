@@ -47,21 +47,20 @@ def device_name(device: str) -> str | None:
     return torch.cuda.get_device_name(torch.device(device))
 
 
-def flops_per_sample(
-    model: torch.nn.Module, in_shape: tuple, task: str, device: str
-) -> float | None:
+def flops_per_sample(model: torch.nn.Module, task, batch, device: str) -> float | None:
     """Forward + backward FLOPs of one training sample, counted on a copy of the plain model
-    (None if the model cannot be counted; throughput reporting never stops a run)."""
+    over a real `batch` of the data through the run's task (None if it cannot be counted:
+    throughput reporting never stops a run)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    dtype = torch.long if task == "lm" else torch.float32
+    from trainer import batch as batches
+
     try:
         probe = copy.deepcopy(model).to(device)
         probe.eval()  # no BatchNorm statistics or dropout draws; the FLOPs are the same
-        x = torch.zeros((2, *in_shape), dtype=dtype, device=device)
         with FlopCounterMode(display=False) as counter:
-            probe(x).float().sum().backward()
-        return counter.get_total_flops() / 2
+            task.loss(task.forward(probe, batch), batch).backward()
+        return counter.get_total_flops() / batches.size(batch)
     except Exception:
         return None
 

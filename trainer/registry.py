@@ -1,4 +1,4 @@
-"""Names for datasets and models, resolved lazily to factories.
+"""Names for datasets, models and tasks, resolved lazily to factories (or, for tasks, objects).
 
 A built-in name is just an alias for an import path, so user plug-ins (`package.module:factory`)
 and built-ins go through the same code. This module imports nothing heavy, so config
@@ -6,9 +6,11 @@ validation and `trainer --help` stay fast.
 """
 
 import importlib
-from collections.abc import Callable
+import inspect
+import traceback
+from collections.abc import Callable, Mapping
 
-from trainer.errors import UsageError, check_choice
+from trainer.errors import UsageError, check_choice, first_line
 
 DATASETS: dict[str, str] = {
     "digits": "trainer.datasets.tabular:digits",
@@ -19,6 +21,8 @@ DATASETS: dict[str, str] = {
     "imagefolder": "trainer.datasets.folder:imagefolder",
     "synthetic": "trainer.datasets.synthetic:synthetic",
     "text": "trainer.datasets.text:text",
+    "tokens": "trainer.datasets.tokens:tokens",
+    "arrays": "trainer.datasets.arrays:arrays",
 }
 
 MODELS: dict[str, str] = {
@@ -29,31 +33,87 @@ MODELS: dict[str, str] = {
     "gpt": "trainer.gpt:gpt",
 }
 
-_TABLES = {"data.name": DATASETS, "model.name": MODELS}
+TASKS: dict[str, str] = {
+    "classification": "trainer.tasks:classification",
+    "regression": "trainer.tasks:regression",
+    "lm": "trainer.tasks:lm",
+    "model_loss": "trainer.tasks:model_loss",
+}
+
+_TABLES = {"data.name": DATASETS, "model.name": MODELS, "task.name": TASKS, "--tokenizer": {}}
 
 
 def check(key: str, name: str) -> None:
     """Validate a name without importing anything: a registered alias or `module:attr`."""
+    if key == "task.name" and name == "auto":
+        return
     if ":" in name:
         module, _, attr = name.partition(":")
         if not module or not attr:
             raise UsageError(f"{key}: '{name}' must look like 'package.module:factory'")
         return
-    check_choice(key, name, sorted(_TABLES[key]))
+    check_choice(key, name, sorted(_TABLES[key]) + (["auto"] if key == "task.name" else []))
+
+
+def resolve(key: str, name: str, *, kind: str = ""):
+    """The object a name stands for (`package.module:attr`, dots allowed in attr); a one-line
+    UsageError when it cannot be imported, naming where the user's module failed."""
+    check(key, name)
+    target = _TABLES[key].get(name, name)
+    module_name, _, attr = target.partition(":")
+    if module_name == "<fit>":
+        raise UsageError(
+            f"{key}={name}: an object that a script handed to trainer.fit; only that script can "
+            f"hand it over again: rerun it, or set {key} to an importable package.module:factory"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name and module_name.startswith(e.name):  # the module itself is missing
+            raise UsageError(
+                f"{key}: cannot import '{module_name}' ({e}); is it installed or on PYTHONPATH?"
+            ) from None
+        raise UsageError(f"{key}: importing '{module_name}' failed: {_where(e)}") from None
+    except Exception as e:  # the user's module raised while it was imported
+        raise UsageError(f"{key}: importing '{module_name}' failed: {_where(e)}") from None
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise UsageError(f"{key}: '{module_name}' has no {kind}'{attr}'")
+    return obj
 
 
 def factory(key: str, name: str) -> Callable:
     """The factory a name stands for; one-line UsageError when it cannot be imported."""
-    check(key, name)
-    target = _TABLES[key].get(name, name)
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UsageError(
-            f"{key}: cannot import '{module_name}' ({e}); is it installed or on PYTHONPATH?"
-        ) from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
+    found = resolve(key, name, kind="callable ")
+    if not callable(found):
+        module_name, _, attr = _TABLES[key].get(name, name).partition(":")
         raise UsageError(f"{key}: '{module_name}' has no callable '{attr}'")
-    return factory
+    return found
+
+
+def call_with(key: str, name: str, fn: Callable, offered: Mapping, kwargs: Mapping):
+    """fn(**the `offered` arguments its signature names, then `kwargs`); arguments it rejects
+    are one line naming the key."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read (a builtin): offer nothing
+        params = {}
+    args = {k: v for k, v in offered.items() if k in params}
+    args.update(kwargs)
+    try:
+        return fn(**args)
+    except TypeError as e:
+        kw = key.replace(".name", ".kwargs")
+        raise UsageError(f"{key}: '{name}' rejected its arguments ({e}); adjust {kw}") from None
+
+
+def _where(e: BaseException) -> str:
+    """'SyntaxError: invalid syntax (mypkg/data.py:3)': an exception and where it was raised."""
+    if isinstance(e, SyntaxError) and e.filename:
+        return f"{type(e).__name__}: {e.msg} ({e.filename}:{e.lineno})"
+    frames = traceback.extract_tb(e.__traceback__)
+    own = [f for f in frames if "importlib" not in f.filename]
+    at = f" ({own[-1].filename}:{own[-1].lineno})" if own else ""
+    return f"{type(e).__name__}: {first_line(e)}{at}"

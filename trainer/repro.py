@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
@@ -11,6 +12,40 @@ import numpy as np
 import torch
 
 from trainer.config import ReproConfig
+
+
+@contextlib.contextmanager
+def process_settings(cfg: ReproConfig, device: str):
+    """repro.* for one run (deterministic kernels, the thread count), and on leaving the block
+    every process-wide setting the run touches as it was: those two, and the RNG states the run
+    seeds (torch, CUDA, numpy, random). So two runs in one process (trainer.fit twice, tests)
+    start alike, and the caller's process is as it left it."""
+    cudnn = torch.backends.cudnn
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        cudnn.deterministic,
+        cudnn.benchmark,
+        torch.get_num_threads(),
+        torch.get_rng_state(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None,
+        np.random.get_state(),
+        random.getstate(),
+    )
+    configure(cfg)
+    pin_threads(cfg, device)
+    try:
+        yield
+    finally:
+        determinism, warn_only, cudnn.deterministic, cudnn.benchmark, threads = saved[:5]
+        torch.use_deterministic_algorithms(determinism, warn_only=warn_only)
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
+        torch.set_rng_state(saved[5])
+        if saved[6] is not None:
+            torch.cuda.set_rng_state_all(saved[6])
+        np.random.set_state(saved[7])
+        random.setstate(saved[8])
 
 
 def configure(cfg: ReproConfig) -> None:
@@ -118,6 +153,13 @@ def git_commit() -> dict | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def hostname() -> str:

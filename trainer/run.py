@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, models, optim, perf, repro, sampler
+from trainer import data, models, optim, perf, repro, sampler, tasks
 from trainer.checkpoint.manager import Checkpointer, LoopState
 from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, TrainConfig
@@ -23,6 +23,20 @@ from trainer.results import Results
 from trainer.signals import StopSignal
 from trainer.step import TrainStep, make_scaler
 from trainer.strategy import Strategy, WorldInvariant, checkpoint_activations, rank_memory
+from trainer.tasks import Task
+
+
+@dataclass(frozen=True)
+class Plugins:
+    """What trainer.fit hands over in place of the config's registry names: objects or
+    factories (None: the config's data.name, model.name, task.name)."""
+
+    data: object = None
+    """A DataSpec, or a factory (DataConfig, seed) -> DataSpec."""
+    model: object = None
+    """A torch.nn.Module, or a factory called as model.name's are."""
+    task: object = None
+    """A trainer.Task, or a Task subclass or factory called as task.name's are."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -31,6 +45,8 @@ class Run:
     world: World
     strategy: Strategy
     data: data.DataSpec
+    task: Task
+    """What is learned from a batch: the loss and the metrics (trainer/tasks.py)."""
     step: TrainStep
     """The model (wrapped for training), its optimizer, schedule and loss scaler."""
     ckpt: Checkpointer
@@ -65,9 +81,10 @@ class Run:
         return epoch_plan(self.cfg, len(self.data.train), epoch)
 
     def memory(self) -> dict:
-        """This rank's parameter, gradient and optimizer bytes (its shards under fsdp), and
-        the peak GPU memory torch allocated."""
+        """This rank's parameter, gradient and optimizer bytes (its shards under fsdp), its
+        process's peak resident memory (host RAM), and the peak GPU memory torch allocated."""
         report = rank_memory(self.model, self.step.optimizer)
+        report["peak_rss_bytes"] = repro.peak_rss_bytes()
         if self.world.on_cuda:
             report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(self.world.device)
         return report
@@ -76,7 +93,8 @@ class Run:
         cfg, w = self.cfg, self.world
         return (
             f"{cfg.name}: {cfg.data.name} ({len(self.data.train)} train / {len(self.data.test)} "
-            f"test) | model {cfg.model.name} | world {w.size} x {w.device} ({w.backend}, "
+            f"test) | model {cfg.model.name} | task {self.task.name} | world {w.size} x "
+            f"{w.device} ({w.backend}, "
             f"{self.strategy.name}) | global batch {cfg.data.global_batch_size}, "
             f"{self.steps_per_epoch} steps/epoch"
         )
@@ -132,18 +150,27 @@ def _fresh_start(
     return LoopState(), Results()
 
 
-def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, started: float) -> Run:
-    """Data, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
+def build(
+    cfg: Config,
+    world: World,
+    strategy: Strategy,
+    stop: StopSignal,
+    started: float,
+    plugins: Plugins | None = None,
+) -> Run:
+    """Data, task, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
+    plugins = plugins or Plugins()
     torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
-    spec = data.build(cfg.data, cfg.seed, world.device)
-    model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task).to(world.device)
+    spec = data.build(cfg.data, cfg.seed, world.device, source=plugins.data)
+    task = tasks.build(cfg.task, spec, source=plugins.task)
+    model = _model(cfg, spec, plugins.model).to(world.device)
     # Counted only where it is reported (rank 0 logs and writes the summary) and where it means
     # something: MFU needs a device whose peak is known (a GPU). Counting costs a model copy, a
     # forward/backward and FlopCounterMode's imports (triton's among them): start-up time for a
     # number a CPU run never shows.
     peak = perf.peak_flops(perf.device_name(world.device), cfg.train.precision)
     flops = (
-        perf.flops_per_sample(model, spec.in_shape, spec.task, world.device)
+        perf.flops_per_sample(model, task, next(data.eval_batches(spec, 2, 0, 1)), world.device)
         if world.is_main and peak
         else None
     )
@@ -162,11 +189,10 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         optimizer=optimizer,
         scheduler=optim.build_scheduler(cfg.sched, optimizer, per_epoch, total),
         scaler=make_scaler(cfg.train, world.device),
-        task=spec.task,
+        task=task,
         world_size=world.size,
         device=world.device,
         strategy=strategy,
-        tokens_per_sample=spec.tokens_per_sample,
         seed=cfg.seed,
     )
     if isinstance(strategy, WorldInvariant):
@@ -187,6 +213,7 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         world=world,
         strategy=strategy,
         data=spec,
+        task=task,
         step=step,
         ckpt=ckpt,
         log=log,
@@ -198,4 +225,14 @@ def build(cfg: Config, world: World, strategy: Strategy, stop: StopSignal, start
         started=started,
         flops_per_sample=flops,
         peak_flops=peak,
+    )
+
+
+def _model(cfg: Config, spec: data.DataSpec, given) -> torch.nn.Module:
+    """model.name's model, or trainer.fit's: a module as it is, or a factory called as
+    model.name's are (the same seed before it on every rank: the same initial weights)."""
+    if isinstance(given, torch.nn.Module):
+        return given
+    return models.build(
+        cfg.model, spec.in_shape, spec.num_classes, spec.task, data=spec, factory=given
     )

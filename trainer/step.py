@@ -1,10 +1,12 @@
 """One optimizer step on this rank's slice of the global batch.
 
-Loss normalisation: each rank sums its loss terms (one per sample; one per token for lm) and
-scales by world_size / global_terms; data parallelism averages gradients over ranks, so every
-step's gradient is sum(all loss terms) / global_terms, exactly a single-process step on the whole
-global batch (the world size changes only the order of the floating-point sum). A rank with an
-empty slice contributes zero and still joins the gradient all-reduce.
+Loss normalisation: each rank sums its loss terms (the Task's loss: one per sample, one per token
+for lm, or as many as the task's count() says) and scales by world_size / global_terms; data
+parallelism averages gradients over ranks, so every step's gradient is sum(all loss terms) /
+global_terms, exactly a single-process step on the whole global batch (the world size changes
+only the order of the floating-point sum). global_terms is known from the global sample count
+when the task has a fixed terms_per_sample, else the ranks add their counts in one all-reduce. A
+rank with an empty slice contributes zero and still joins the gradient all-reduce.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from trainer import batch as batches
+from trainer import ranks
 from trainer.config import TrainConfig
 from trainer.errors import first_line
 from trainer.invariant import ShardedGradients, seed_shard
 from trainer.strategy import Strategy
+from trainer.tasks import Task, checked_count, checked_loss, forward, no_terms
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -42,17 +46,6 @@ def _loading(part: str):
         yield
     except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
         raise StateMismatch(part, first_line(e)) from None
-
-
-def loss_sum(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Summed (not averaged) loss over this rank's samples (tokens, for lm); 0 for an empty slice.
-    In fp32 whatever the compute dtype (FSDP's bf16 parameters give bf16 outputs)."""
-    out = out.float()
-    if task == "classification":
-        return F.cross_entropy(out, y, reduction="sum")
-    if task == "lm":  # out (B, T, vocab), y (B, T): every position predicts the next token
-        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
-    return F.mse_loss(out, y.reshape(out.shape).to(out.dtype), reduction="sum")
 
 
 def make_scaler(cfg: TrainConfig, device: str) -> torch.amp.GradScaler:
@@ -76,12 +69,11 @@ class TrainStep:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
-    task: str
+    task: Task
+    """What the loss is and how a batch reaches the model (trainer/tasks.py)."""
     world_size: int = 1
     device: str = "cpu"
     strategy: Strategy = field(default_factory=Strategy)
-    tokens_per_sample: int = 1
-    """Loss terms per sample (the sequence length for lm): the loss is normalised per term."""
     skipped_steps: int = 0
     """fp16 steps skipped for an inf/nan gradient."""
     shards: ShardedGradients | None = None
@@ -121,40 +113,52 @@ class TrainStep:
             with _loading("scaler"):
                 self.scaler.load_state_dict(state["scaler"])
 
-    def _chunks(self, x, y):
-        micro = self.cfg.micro_batch_size
-        if not micro or len(x) <= micro:
-            return [(x, y)]
-        return list(zip(x.split(micro), y.split(micro), strict=True))
+    def _chunks(self, batch) -> list:
+        return batches.split(batch, self.cfg.micro_batch_size)
 
-    def __call__(self, x, y, global_count: int, index: int = 0) -> torch.Tensor:
+    def __call__(self, batch, global_count: int, index: int = 0) -> torch.Tensor:
         """Returns this rank's share of the step's global mean loss (detached): summed over
         ranks, the global mean loss.
 
-        global_count: samples in the whole global batch, over all ranks; index: the optimizer
-        step's number (seeds dropout under repro.world_invariant).
+        batch: this rank's slice (trainer/batch.py), on the device; global_count: samples in
+        the whole global batch, over all ranks; index: the optimizer step's number (seeds
+        dropout under repro.world_invariant).
         """
-        if self.cfg.channels_last and x.dim() == 4:
-            x = x.contiguous(memory_format=torch.channels_last)
-        terms = global_count * self.tokens_per_sample
+        if self.cfg.channels_last:
+            batch = batches.map_tensors(_channels_last, batch)
         if self.shards is not None:
-            return self._world_invariant(x, y, global_count, terms, index)
+            return self._world_invariant(batch, global_count, index)
         self.optimizer.zero_grad(set_to_none=True)
-        chunks = self._chunks(x, y)
+        chunks = self._chunks(batch)
+        terms = self._global_terms(global_count, lambda: chunks, index)
         total = None
-        for i, (xc, yc) in enumerate(chunks):
+        for i, chunk in enumerate(chunks):
             last = i == len(chunks) - 1
             with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
                 # Sum of losses x world / global terms: after the gradient average, sum / terms.
-                local = self._backward(xc, yc, self.world_size / terms)
+                local = self._backward(chunk, self.world_size / terms)
             total = local if total is None else total + local
         self._update()
         return total / terms
 
-    def _backward(self, x, y, factor: float) -> torch.Tensor:
+    def _global_terms(self, global_count: int, pieces, index: int) -> int:
+        """Loss terms in the whole global batch: from the sample count for a task with a fixed
+        terms_per_sample, else the ranks' counts of their `pieces()` added in one all-reduce."""
+        per_sample = self.task.terms_per_sample
+        if per_sample is not None:
+            return global_count * per_sample
+        local = sum(checked_count(self.task, self.task.count(p)) for p in pieces())
+        total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
+        terms = int(ranks.all_reduce_sum(total).item())
+        if terms == 0:
+            raise no_terms(self.task, index + 1)
+        return terms
+
+    def _backward(self, batch, factor: float) -> torch.Tensor:
         """Forward, summed loss, backward of loss x factor (scaled for fp16); the summed loss."""
         with self._autocast():
-            local = loss_sum(self.task, self.model(x), y)
+            out = forward(self.task, self.model, batch)
+            local = checked_loss(self.task, self.task.loss(out, batch))
         self.scaler.scale(local * factor).backward()
         return local.detach()
 
@@ -166,19 +170,21 @@ class TrainStep:
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.device).type, dtype=dtype)
 
-    def _world_invariant(self, x, y, global_count: int, terms: int, index: int) -> torch.Tensor:
+    def _world_invariant(self, batch, global_count: int, index: int) -> torch.Tensor:
         """Each of this rank's shards on its own, then the fixed tree over all shards; the same
         bits for every world size dividing repro.shards (trainer/invariant.py)."""
         shards = self.shards
         shards.begin()
-        for k in shards.shards_here():
+        mine = [(k, *shards.bounds(k, global_count)) for k in shards.shards_here()]
+        pieces = lambda: [batches.cut(batch, lo, hi) for _, lo, hi in mine]  # noqa: E731
+        terms = self._global_terms(global_count, pieces, index)
+        for k, lo, hi in mine:
             shards.start_shard()
-            lo, hi = shards.bounds(k, global_count)
-            local = torch.zeros((), dtype=torch.float32, device=x.device)
+            local = torch.zeros((), dtype=torch.float32, device=self.device)
             if hi > lo:  # an empty shard (a tail batch smaller than the shards) adds zeros
                 seed_shard(self.seed, index, k, self.device)
-                for xc, yc in self._chunks(x[lo:hi], y[lo:hi]):
-                    local += self._backward(xc, yc, 1.0 / terms)
+                for chunk in self._chunks(batches.cut(batch, lo, hi)):
+                    local += self._backward(chunk, 1.0 / terms)
             shards.end_shard(local)
         losses = shards.combine()
         self._update()
@@ -210,3 +216,8 @@ class TrainStep:
                 "ignore", message=re.escape("Detected call of `lr_scheduler.step()`")
             )
             self.scheduler.step()
+
+
+def _channels_last(t: torch.Tensor) -> torch.Tensor:
+    """train.channels_last: 4-d inputs (images) in channels-last memory, as the weights are."""
+    return t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t

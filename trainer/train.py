@@ -23,38 +23,40 @@ from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strate
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
 from trainer.errors import io_error
-from trainer.run import Run, build
+from trainer.run import Plugins, Run, build
 from trainer.signals import StopSignal
 
 
-def train(cfg: Config, *, dry_run: bool = False, stop: StopSignal | None = None) -> dict:
+def train(
+    cfg: Config,
+    *,
+    dry_run: bool = False,
+    stop: StopSignal | None = None,
+    plugins: Plugins | None = None,
+) -> dict:
     """Train one rank of the job described by cfg and torchrun's environment; the summary.
 
     `stop` receives SIGTERM/SIGINT; without one, handlers are installed for the run itself.
+    `plugins`: trainer.fit's objects or factories in place of data.name, model.name, task.name.
     """
     if stop is None:
         with StopSignal() as own:
-            return train(cfg, dry_run=dry_run, stop=own)
+            return train(cfg, dry_run=dry_run, stop=own, plugins=plugins)
     started = time.time()
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
     how = strategy.choose(cfg, world)
     check_world_size(cfg, world.size)
-    repro.configure(cfg.repro)
-    threads = repro.pin_threads(cfg.repro, world.device)
-    try:
-        return _train(cfg, world, how, stop, started, dry_run)
-    finally:
-        if threads is not None:  # nothing global outlives the call (in-process callers)
-            torch.set_num_threads(threads)
+    with repro.process_settings(cfg.repro, world.device):  # nothing global outlives the call
+        return _train(cfg, world, how, stop, started, dry_run, plugins or Plugins())
 
 
-def _train(cfg, world, how, stop, started, dry_run) -> dict:
+def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
     with ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group):
         chosen_here = not cfg.run_dir
         if chosen_here:  # a new folder per run (or the launcher's): rank 0 decides for all
             chosen = rundir.resolve(cfg.name, None, claim=not dry_run) if world.is_main else None
             cfg = dataclasses.replace(cfg, run_dir=ranks.broadcast_object(chosen))
-        run = build(cfg, world, how, stop, started)
+        run = build(cfg, world, how, stop, started, plugins)
         if dry_run:
             checked = dryrun.check(run)
             if world.is_main and chosen_here:  # leave no empty folder of a run that never ran
@@ -212,10 +214,13 @@ def _done_line(run: Run, summary: dict) -> str:
     ev = summary["eval"]
     if "bits_per_byte" in ev:
         quality = f", {ev['bits_per_byte']:.3f} bits/byte (perplexity {ev['perplexity']:.2f})"
-    elif "mae" in ev:
+    elif "mae" in ev and "mse" in ev:
         quality = f", MSE {ev['mse']:.4g}, MAE {ev['mae']:.4g}"
-    else:
+    elif set(ev) <= {"loss", "accuracy", "count"}:
         quality = f", accuracy {ev['accuracy']:.4f}" if "accuracy" in ev else ""
+    else:  # a task of the user's: its own metrics, as it named them
+        shown = [(k, v) for k, v in ev.items() if k not in ("loss", "count")][:4]
+        quality = "".join(f", {k} {v:.4g}" for k, v in shown)
     return (
         f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
         f"({_rate(summary)}) | test loss {ev['loss']:.4f}{quality} "

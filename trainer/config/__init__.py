@@ -14,6 +14,7 @@ from trainer.config.ranges import MAX_SEED, NONEMPTY, RANGES, Range, example, ra
 from trainer.config.rules import check_world_size, resolve_strategy
 from trainer.config.schema import (
     DEFAULT_PRESET,
+    ArraysConfig,
     CkptConfig,
     Config,
     DataConfig,
@@ -27,7 +28,9 @@ from trainer.config.schema import (
     ReproConfig,
     SchedConfig,
     SyntheticConfig,
+    TaskConfig,
     TextConfig,
+    TokensConfig,
     TrainConfig,
     walk,
 )
@@ -37,6 +40,7 @@ __all__ = [
     "MAX_SEED",
     "NONEMPTY",
     "RANGES",
+    "ArraysConfig",
     "CkptConfig",
     "Config",
     "DataConfig",
@@ -51,7 +55,9 @@ __all__ = [
     "ReproConfig",
     "SchedConfig",
     "SyntheticConfig",
+    "TaskConfig",
     "TextConfig",
+    "TokensConfig",
     "TrainConfig",
     "check_world_size",
     "example",

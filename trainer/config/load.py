@@ -325,17 +325,24 @@ def _section_example(key: str) -> str:
     return example(first) if first else f"{key}.<key>=<value>"
 
 
-def load(config: str | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Merge schema < preset < --config file < CLI overrides into a validated Config."""
+def load(
+    config: str | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    values: dict | None = None,
+    source: str = "values",
+) -> Config:
+    """Merge schema < preset < --config file < `values` (a nested dict, e.g. trainer.fit's) <
+    CLI overrides into a validated Config."""
     try:
-        return _load(config, overrides)
+        return _load(config, overrides, values, source)
     except ConfigError:
         raise
     except UsageError as e:
         raise ConfigError(str(e)) from None
 
 
-def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
+def _load(config, overrides, values=None, values_source="values") -> Config:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -343,6 +350,12 @@ def _load(config: str | None, overrides: list[str] | tuple[str, ...]) -> Config:
     merged = schema
     for source, layer in _layer_for(config):
         merged = _merge(schema, merged, source, layer)
+    if values:
+        try:
+            layer = OmegaConf.create(values)
+        except (OmegaConfBaseException, ValueError, TypeError) as e:
+            raise UsageError(f"{values_source}: not a config mapping ({first_line(e)})") from None
+        merged = _merge(schema, merged, values_source, layer)
     cli = _cli_layer(list(overrides))
     # Several overrides in one merge (each merge copies the whole config: ~10 ms an override);
     # if it fails, merged is untouched and they go one at a time below, to name the culprit.

@@ -61,6 +61,8 @@ RANGES: dict[str, Range] = {
     "data.text.seq_len": Range(1, 2**20),
     "data.text.max_train_bytes": Range(1, 2**50),
     "data.text.max_test_bytes": Range(1, 2**50),
+    "data.tokens.seq_len": Range(1, 2**20),
+    "data.tokens.vocab_size": Range(2, 2**32),
     "data.global_batch_size": Range(1, _BATCH),
     "data.eval_batch_size": Range(1, _BATCH),
     "data.test_fraction": Range(0.0, 1.0, lo_open=True, hi_open=True),
@@ -102,13 +104,13 @@ RANGES: dict[str, Range] = {
 
 NONEMPTY = frozenset(
     {"name", "run_dir", "data.name", "data.root", "data.text.path", "model.name", "ckpt.dir"}
-    | {"ckpt.resume", "ckpt.init_weights"}
+    | {"ckpt.resume", "ckpt.init_weights", "data.tokens.path", "data.arrays.path", "task.name"}
 )
 """String fields that must not be empty (null, where allowed, is the way to say "none")."""
 
 PATHS = frozenset(
     {"name", "run_dir", "data.root", "data.text.path", "ckpt.dir", "ckpt.resume"}
-    | {"ckpt.init_weights"}
+    | {"ckpt.init_weights", "data.tokens.path", "data.arrays.path"}
 )
 """String fields that become file or folder paths (name: runs go to runs/<name>/):
 checked against what every Linux file system refuses, so `config check` says what `train` would."""

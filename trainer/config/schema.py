@@ -55,12 +55,52 @@ class TextConfig:
 
 
 @dataclass(kw_only=True)
+class TokensConfig:
+    """data.name=tokens: a flat token file (train.bin / test.bin, nanoGPT's format), read per
+    batch through a memory map: never whole, on any rank. `trainer data tokenize` writes one."""
+
+    path: str = "data/tokens"
+    """A folder holding train.bin and test.bin (or val.bin), flat arrays of token ids, and
+    tokens.json beside them ({"dtype": "uint16", "vocab_size": N}, written by `trainer data
+    tokenize`). Without tokens.json set data.tokens.dtype and data.tokens.vocab_size."""
+    seq_len: int = 256
+    """Tokens the model reads per sample; each sample predicts the next token at every position."""
+    dtype: str | None = None
+    """uint16 | uint32: how the ids are stored (null: tokens.json says)."""
+    vocab_size: int | None = None
+    """Token ids are below this (null: tokens.json says)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.tokens.")
+        if self.dtype is not None:
+            check_choice("data.tokens.dtype", self.dtype, ("uint16", "uint32"))
+
+
+@dataclass(kw_only=True)
+class ArraysConfig:
+    """data.name=arrays: .npy files read per batch through a memory map (never whole): a folder
+    with train/ and test/, each holding one <field>.npy per field, all of the same length."""
+
+    path: str = "data/arrays"
+    """The folder holding train/ and test/. Fields x and y give (x, y) batches for the built-in
+    tasks; other field names give dict batches {field: tensor} for your own task."""
+    task: str | None = None
+    """The data's task for task.name=auto: classification | regression | null (classification
+    for integer y, regression for float y; none for other fields)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.arrays.")
+        if self.task is not None:
+            check_choice("data.arrays.task", self.task, ("classification", "regression"))
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """The dataset, its splits, the global batch and how batches reach the ranks."""
 
     name: str = "digits"
     """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic |
-    text, or `package.module:factory`."""
+    text | tokens | arrays, or `package.module:factory` (docs/extending.md)."""
     root: str = "data"
     """Folder holding on-disk datasets (mnist, fashion_mnist, cifar10, imagefolder); the error
     for a missing folder names the files to put there."""
@@ -103,6 +143,8 @@ class DataConfig:
     there, with no per-step host-to-device copy. A no-op move on CPU."""
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
     text: TextConfig = field(default_factory=TextConfig)
+    tokens: TokensConfig = field(default_factory=TokensConfig)
+    arrays: ArraysConfig = field(default_factory=ArraysConfig)
 
     def __post_init__(self) -> None:
         check_fields(self, "data.")
@@ -164,6 +206,21 @@ class ModelConfig:
     def __post_init__(self) -> None:
         check_fields(self, "model.")
         check_choice("model.activation", self.activation, ("relu", "sigmoid"))
+
+
+@dataclass(kw_only=True)
+class TaskConfig:
+    """What is learned: the loss a step minimises and the metrics evaluation reports."""
+
+    name: str = "auto"
+    """auto (the dataset's own: classification, regression or lm) | classification | regression
+    | lm | model_loss (the model returns its loss, as model(**batch).loss in Hugging Face) |
+    `package.module:obj`, a trainer.Task, a subclass or a factory (docs/extending.md)."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for the task's class or factory."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "task.")
 
 
 @dataclass(kw_only=True)
@@ -362,6 +419,7 @@ class Config:
     """Seeds model init and the data order; same seed + same global batch = same numbers."""
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sched: SchedConfig = field(default_factory=SchedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -377,6 +435,7 @@ class Config:
         check_fields(self, "")
         registry.check("data.name", self.data.name)
         registry.check("model.name", self.model.name)
+        registry.check("task.name", self.task.name)
         k = self.repro.shards
         if k < 1 or k & (k - 1):
             raise ConfigError(

@@ -1,0 +1,66 @@
+"""A batch: a tensor, or a tuple, list or dict of them (nested), samples along dim 0.
+
+The built-in datasets give `(x, y)` tuples; a plug-in dataset may give a dict such as
+`{"user": ..., "item": ..., "rating": ...}`. Everything that moves, cuts or splits a batch (the
+device copy, micro-steps, world-invariant shards, a rank's empty slice) goes through these few
+functions, so every batch shape gets the same treatment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Batch = Any
+"""torch.Tensor | tuple | list | dict of them, nested; every tensor has the samples on dim 0."""
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], batch: Batch) -> Batch:
+    """`batch` with fn applied to each tensor (other leaves kept as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, dict):
+        return {k: map_tensors(fn, v) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(fn, v) for v in batch)
+    return batch
+
+
+def tensors(batch: Batch) -> list[torch.Tensor]:
+    """The batch's tensors, in a fixed order (dicts in insertion order)."""
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    values = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(values, (tuple, list)) or isinstance(batch, dict):
+        return [t for v in values for t in tensors(v)]
+    return []
+
+
+def size(batch: Batch) -> int:
+    """Samples in the batch: the first dimension of its tensors, which must agree."""
+    sizes = {len(t) if t.dim() else None for t in tensors(batch)}
+    if len(sizes) != 1 or None in sizes:
+        found = ", ".join(str(tuple(t.shape)) for t in tensors(batch)) or "no tensors"
+        raise ValueError(
+            f"a batch's tensors must share their first (sample) dimension; got shapes {found}"
+        )
+    return sizes.pop()
+
+
+def to_device(batch: Batch, device: str | torch.device, non_blocking: bool = False) -> Batch:
+    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), batch)
+
+
+def cut(batch: Batch, lo: int, hi: int) -> Batch:
+    """Samples lo..hi-1 of every tensor (views)."""
+    return map_tensors(lambda t: t[lo:hi], batch)
+
+
+def split(batch: Batch, micro: int) -> list[Batch]:
+    """Consecutive pieces of at most `micro` samples (one piece for a batch that fits)."""
+    n = size(batch)
+    if not micro or n <= micro:
+        return [batch]
+    return [cut(batch, lo, min(lo + micro, n)) for lo in range(0, n, micro)]
