@@ -197,10 +197,10 @@ def ranks(*args, nproc: int, timeout: float = 180, extra_env=None, check=True):
     return proc
 
 
-def train_here(command: str, *args: str) -> dict:
-    """`trainer train ARGS` on one CPU rank in this process with one thread, as each rank of
-    the multi-process runs has (the same bits): no second torch import (~3 s of CPU a run).
-    Returns the summary."""
+def train_here(command: str, *args: str, config_file: str | None = None) -> dict:
+    """`trainer train [--config config_file] ARGS` on one CPU rank in this process with one
+    thread, as each rank of the multi-process runs has (the same bits): no second torch import
+    (~3 s of CPU a run). Returns the summary."""
     import torch
 
     from trainer import config
@@ -210,7 +210,7 @@ def train_here(command: str, *args: str) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return train(config.load(None, [*args, "dist.device=cpu"]))
+        return train(config.load(config_file, [*args, "dist.device=cpu"]))
     finally:
         torch.set_num_threads(threads)
 

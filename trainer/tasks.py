@@ -39,8 +39,10 @@ class Task:
     zero count then, as a sum over nothing does. `trainer train --dry-run` runs that batch.
     """
 
-    name: str = "task"
-    """Shown in the run's banner and recorded in run.json."""
+    @property
+    def name(self) -> str:
+        """Shown in the run's banner (default: the class's name; set `name = "..."` to change)."""
+        return type(self).__name__
 
     terms_per_sample: int | None = 1
     """Loss terms each sample contributes when that number is fixed (1; the sequence length of
