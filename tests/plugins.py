@@ -85,7 +85,7 @@ class HFStyle(nn.Module):
         self.head = nn.Linear(8, classes)
         self.as_dict = as_dict
 
-    def forward(self, input, labels=None):  # noqa: A002 (Hugging Face's argument names)
+    def forward(self, input, labels=None):
         logits = self.head(self.net(input))
         loss = None if labels is None else F.cross_entropy(logits, labels, ignore_index=-100)
         return (

@@ -183,7 +183,7 @@ def test_x_and_y_arrays_train_the_built_in_tasks(tmp_path):
     spec = data.build(cfg.data, 0)
     assert spec.task == "classification" and spec.in_shape == (1, 6, 6) and spec.num_classes == 5
     (x, y) = next(data.eval_batches(spec, 64, 0, 1))
-    assert x.dtype == torch.float32 and 0 <= x.min() and x.max() <= 1 and y.dtype == torch.int64
+    assert x.dtype == torch.float32 and x.min() >= 0 and x.max() <= 1 and y.dtype == torch.int64
     summary = train_here(
         "train", "data.name=arrays", f"data.arrays.path={root}", "data.global_batch_size=8",
         "train.epochs=1", "log.progress=none", "log.tensorboard=false", f"run_dir={tmp_path / 'r'}",
