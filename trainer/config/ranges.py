@@ -63,6 +63,8 @@ RANGES: dict[str, Range] = {
     "data.text.max_test_bytes": Range(1, 2**50),
     "data.tokens.seq_len": Range(1, 2**20),
     "data.tokens.vocab_size": Range(2, 2**32),
+    "data.tokens.max_train_tokens": Range(2, 2**50),
+    "data.tokens.max_test_tokens": Range(2, 2**50),
     "data.global_batch_size": Range(1, _BATCH),
     "data.eval_batch_size": Range(1, _BATCH),
     "data.test_fraction": Range(0.0, 1.0, lo_open=True, hi_open=True),

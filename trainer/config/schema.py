@@ -69,6 +69,10 @@ class TokensConfig:
     """uint16 | uint32: how the ids are stored (null: tokens.json says)."""
     vocab_size: int | None = None
     """Token ids are below this (null: tokens.json says)."""
+    max_train_tokens: int | None = None
+    """Use only the first N tokens of train.bin (null: all of it)."""
+    max_test_tokens: int | None = None
+    """Use only the first N tokens of the test split: evaluation reads all of it every time."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data.tokens.")

@@ -41,9 +41,13 @@ class TokenFile:
     lazy = True
     """Read from disk per batch: never moved whole to a device (data.device_resident)."""
 
-    def __init__(self, path: str, dtype: str, seq_len: int, vocab_size: int):
+    def __init__(
+        self, path: str, dtype: str, seq_len: int, vocab_size: int, limit: int | None = None
+    ):
         self.path, self.dtype, self.seq_len, self.vocab_size = path, dtype, seq_len, vocab_size
-        self.tokens = os.path.getsize(path) // np.dtype(dtype).itemsize
+        self.stored = os.path.getsize(path) // np.dtype(dtype).itemsize
+        self.tokens = min(self.stored, limit or self.stored)
+        """The tokens used: the file's, or its first `limit`."""
         self._offsets = np.arange(seq_len + 1, dtype=np.int64)
 
     def __len__(self) -> int:
@@ -52,7 +56,7 @@ class TokenFile:
     def take(self, idx) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, next-token targets) of windows `idx`, each (len(idx), seq_len) int64."""
         idx = idx.cpu().numpy() if isinstance(idx, torch.Tensor) else np.asarray(idx, np.int64)
-        mm = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.tokens,))
+        mm = np.memmap(self.path, dtype=self.dtype, mode="r", shape=(self.stored,))
         windows = mm[idx[:, None] * self.seq_len + self._offsets].astype(np.int64)
         del mm  # unmapped: the pages stay in the page cache, not in this process
         if windows.size and (top := int(windows.max())) >= self.vocab_size:
@@ -125,7 +129,8 @@ def tokens(cfg: DataConfig, seed: int) -> DataSpec:
                 f"data.tokens: {found[0]} is {size} bytes, not a whole number of {dtype} ids: "
                 "wrong data.tokens.dtype?"
             )
-        splits[split] = TokenFile(found[0], dtype, t.seq_len, vocab)
+        limit = t.max_train_tokens if split == "train" else t.max_test_tokens
+        splits[split] = TokenFile(found[0], dtype, t.seq_len, vocab, limit)
         if len(splits[split]) == 0:
             raise UsageError(
                 f"data.tokens: {found[0]} holds {splits[split].tokens} tokens, not enough for one "
