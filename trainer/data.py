@@ -16,6 +16,7 @@ Two ways a batch reaches the model, both giving identical tensors:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,7 +28,7 @@ from trainer import batch as batches
 from trainer import registry, sampler
 from trainer.config import DataConfig
 from trainer.datasets.augment import crop_flip
-from trainer.errors import UsageError
+from trainer.errors import UsageError, first_line
 
 
 def pixels_to_float(
@@ -186,6 +187,15 @@ class DataSpec:
                     f"DataSpec.{name} is a {type(split).__name__}, which lacks __len__ or "
                     "take(idx): give an object with both (the Split protocol, docs/extending.md)"
                 )
+        for name in ("train", "test"):
+            split = getattr(self, name)
+            try:
+                len(split)
+            except (TypeError, ValueError, OverflowError) as e:
+                raise UsageError(
+                    f"DataSpec.{name}: len() of {type(split).__name__} failed ({first_line(e)}): "
+                    "__len__ must return the number of samples, an int >= 0"
+                ) from None
         if len(self.train) == 0 or len(self.test) == 0:
             raise UsageError("the dataset has an empty train or test split: check data.* settings")
 
@@ -197,6 +207,20 @@ def build(cfg: DataConfig, seed: int, device: str = "cpu", source=None) -> DataS
         spec = source
     else:
         make = source if source is not None else registry.factory("data.name", cfg.name)
+        if not callable(make):
+            raise UsageError(
+                f"trainer.fit: data is a {type(make).__name__}: give a trainer.DataSpec or a "
+                "factory (DataConfig, seed) -> DataSpec"
+            )
+        try:
+            inspect.signature(make).bind(cfg, seed)
+        except TypeError:
+            raise UsageError(
+                f"data.name: factory '{cfg.name}' must take two arguments (DataConfig, seed), as "
+                "a data factory is called (docs/extending.md#data)"
+            ) from None
+        except ValueError:
+            pass  # no signature to read (a builtin): the call says
         spec = make(cfg, seed)
     if not isinstance(spec, DataSpec):
         raise UsageError(

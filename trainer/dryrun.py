@@ -23,6 +23,7 @@ from trainer import batch as batches
 from trainer import data, metrics, ranks
 from trainer.checkpoint import store
 from trainer.errors import UsageError
+from trainer.evaluate import summarized
 from trainer.results import Results
 from trainer.strategy import unwrap
 from trainer.tasks import checked_metrics, forward
@@ -92,8 +93,9 @@ def _eval_batch(run: Run) -> dict:
         first = next(stream, None)
         n = 0 if first is None else batches.size(first)
         counts = torch.tensor([n], dtype=torch.float64, device=world.device)
-        if first is not None:
-            checked_metrics(run.task, run.task.metrics(forward(run.task, net, first), first))
+        if first is not None:  # and summarize, on this batch's sums alone
+            sums = checked_metrics(run.task, run.task.metrics(forward(run.task, net, first), first))
+            summarized(run.task, {k: (float(s), float(c)) for k, (s, c) in sums.items()})
     ranks.all_reduce_sum(counts)
     net.train()
     return {"global_samples": int(counts.item()), "seconds": time.perf_counter() - started}

@@ -71,7 +71,7 @@ def evaluate(
     pairs = {name: (values[2 * i], values[2 * i + 1]) for i, name in enumerate(names)}
     if any(c < 0 for _, c in pairs.values()):
         raise UsageError(f"{type(task).__name__}.metrics: a count summed to less than 0")
-    result = _summary(task, pairs)
+    result = summarized(task, pairs)
     result.setdefault("count", int(values[-2]))
     return result
 
@@ -96,7 +96,8 @@ def _row(names, sums: dict, samples: int, width: int, device: str) -> torch.Tens
     return row
 
 
-def _summary(task: Task, totals: dict) -> dict:
+def summarized(task: Task, totals: dict) -> dict:
+    """task.summarize(totals), checked: a dict of metric name -> number."""
     result = task.summarize(totals)
     if not isinstance(result, dict) or not all(
         isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)

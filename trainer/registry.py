@@ -7,6 +7,7 @@ validation and `trainer --help` stay fast.
 
 import importlib
 import inspect
+import os
 import traceback
 from collections.abc import Callable, Mapping
 
@@ -69,13 +70,14 @@ def resolve(key: str, name: str, *, kind: str = ""):
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-        if e.name and module_name.startswith(e.name):  # the module itself is missing
+        if e.name and (module_name == e.name or module_name.startswith(e.name + ".")):
             raise UsageError(
                 f"{key}: cannot import '{module_name}' ({e}); is it installed or on PYTHONPATH?"
             ) from None
         raise UsageError(f"{key}: importing '{module_name}' failed: {_where(e)}") from None
     except Exception as e:  # the user's module raised while it was imported
-        raise UsageError(f"{key}: importing '{module_name}' failed: {_where(e)}") from None
+        top = module_name.partition(".")[0]
+        raise UsageError(f"{key}: importing '{module_name}' failed: {_where(e, top)}") from None
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -102,18 +104,33 @@ def call_with(key: str, name: str, fn: Callable, offered: Mapping, kwargs: Mappi
         params = {}
     args = {k: v for k, v in offered.items() if k in params}
     args.update(kwargs)
+    kw = key.replace(".name", ".kwargs")
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as e:
+        raise UsageError(f"{key}: '{name}' rejected its arguments ({e}); adjust {kw}") from None
+    except ValueError:
+        pass  # no signature to read: the call says
     try:
         return fn(**args)
-    except TypeError as e:
-        kw = key.replace(".name", ".kwargs")
-        raise UsageError(f"{key}: '{name}' rejected its arguments ({e}); adjust {kw}") from None
+    except TypeError as e:  # inside the factory: a value of the wrong type (model.kwargs?)
+        top = (getattr(fn, "__module__", None) or "").partition(".")[0] or None
+        raise UsageError(f"{key}: '{name}' failed: {_where(e, top)}; check {kw}") from None
 
 
-def _where(e: BaseException) -> str:
-    """'SyntaxError: invalid syntax (mypkg/data.py:3)': an exception and where it was raised."""
+def _where(e: BaseException, top: str | None = None) -> str:
+    """'SyntaxError: invalid syntax (mypkg/data.py:3)': an exception and where it was raised:
+    the deepest frame in the plug-in's own package `top` (not the library it called), else the
+    deepest outside importlib."""
     if isinstance(e, SyntaxError) and e.filename:
         return f"{type(e).__name__}: {e.msg} ({e.filename}:{e.lineno})"
-    frames = traceback.extract_tb(e.__traceback__)
-    own = [f for f in frames if "importlib" not in f.filename]
-    at = f" ({own[-1].filename}:{own[-1].lineno})" if own else ""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "importlib" not in f.filename]
+    if top:
+        own = [
+            f
+            for f in frames
+            if f"{os.sep}{top}{os.sep}" in f.filename or os.path.basename(f.filename) == f"{top}.py"
+        ]
+        frames = own or frames
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"{type(e).__name__}: {first_line(e)}{at}"

@@ -15,7 +15,7 @@ from trainer import data, models, optim, perf, repro, sampler, tasks
 from trainer.checkpoint.manager import Checkpointer, LoopState
 from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, TrainConfig
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, UsageError
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
 from trainer.ranks import World
@@ -233,6 +233,12 @@ def _model(cfg: Config, spec: data.DataSpec, given) -> torch.nn.Module:
     model.name's are (the same seed before it on every rank: the same initial weights)."""
     if isinstance(given, torch.nn.Module):
         return given
+    if given is not None and not callable(given):
+        hint = f" (a name goes in the config: model.name={given})" if isinstance(given, str) else ""
+        raise UsageError(
+            f"trainer.fit: model is a {type(given).__name__}: give a torch.nn.Module or a "
+            f"factory returning one{hint}"
+        )
     return models.build(
         cfg.model, spec.in_shape, spec.num_classes, spec.task, data=spec, factory=given
     )

@@ -83,6 +83,12 @@ def _config(config, overrides, **given):
             f"trainer.fit: overrides must be a list of key=value strings, got the string "
             f"{overrides!r}: wrap it in a list"
         )
+    wrong = [o for o in overrides if not isinstance(o, str)]
+    if wrong:
+        raise UsageError(
+            f"trainer.fit: overrides must be key=value strings, got {wrong[0]!r}: write "
+            "'key=value' (e.g. 'optim.lr=0.01')"
+        )
     values = {k: {"name": recorded_name(v)} for k, v in given.items() if v is not None}
     if isinstance(config, Config):
         values = _merged(configs.to_dict(config), values)

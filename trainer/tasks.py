@@ -237,7 +237,7 @@ def build(cfg, data, source=None) -> Task:
     """The task `task.name` names (auto: the dataset's own), made for `data` (a DataSpec); or
     `source`, trainer.fit's: a Task, or a Task subclass or factory."""
     if isinstance(source, Task):
-        return source
+        return checked_task(source)
     if source is not None:
         return from_factory(source, getattr(source, "__name__", repr(source)), data, cfg.kwargs)
     name = data.task if cfg.name == "auto" else cfg.name
@@ -254,7 +254,7 @@ def build(cfg, data, source=None) -> Task:
                 f"task.kwargs: task.name={name} is a Task object, which takes no arguments: "
                 "name its class or a factory instead, or drop task.kwargs"
             )
-        return obj
+        return checked_task(obj)
     return from_factory(obj, name, data, cfg.kwargs)
 
 
@@ -278,6 +278,12 @@ def from_factory(factory, name: str, data, kwargs: Mapping | None = None) -> Tas
             f"task.name: '{name}' returned {type(task).__name__}, not a trainer.Task: subclass "
             "trainer.Task and define loss(output, batch) (docs/extending.md)"
         )
+    return checked_task(task)
+
+
+def checked_task(task: Task) -> Task:
+    """`task` if it keeps the contract's static parts: a loss, and a positive integer
+    terms_per_sample or a count()."""
     if inspect.isabstract(type(task)) or type(task).loss is Task.loss:
         raise UsageError(
             f"task.name: {type(task).__name__} does not define loss(output, batch), the SUM of "
@@ -299,7 +305,11 @@ def from_factory(factory, name: str, data, kwargs: Mapping | None = None) -> Tas
 
 # --- running and checking a task ----------------------------------------------------------------
 
-_DEVICE_MISMATCH = ("Expected all tensors to be on the same device", "found at least two devices")
+_DEVICE_MISMATCH = (
+    "Expected all tensors to be on the same device",
+    "found at least two devices",
+    "is not on the expected device",
+)
 
 
 def forward(task: Task, model: torch.nn.Module, batch) -> Any:

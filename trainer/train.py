@@ -221,9 +221,10 @@ def _done_line(run: Run, summary: dict) -> str:
     else:  # a task of the user's: its own metrics, as it named them
         shown = [(k, v) for k, v in ev.items() if k not in ("loss", "count")][:4]
         quality = "".join(f", {k} {v:.4g}" for k, v in shown)
+    loss = f"test loss {ev['loss']:.4f}" if "loss" in ev else "test"
     return (
         f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
-        f"({_rate(summary)}) | test loss {ev['loss']:.4f}{quality} "
+        f"({_rate(summary)}) | {loss}{quality} "
         f"({ev['count']} samples)\n{metrics.memory_line(summary['memory'])}\n"
         f"run dir: {run.run_dir}  (config.yaml, metrics.jsonl, summary.json, "
         "final/model.safetensors)"

@@ -190,6 +190,8 @@ def _layer_for(config: str | None, seen: tuple[str, ...] = ()):
 
 
 _BOOLS = ("true", "false", "yes", "no", "on", "off", "1", "0")
+_PLUGIN_KEYS = ("data.name", "model.name", "task.name")
+"""Keys that take a registry name or package.module:object."""
 
 
 def _bool_keys() -> frozenset[str]:
@@ -244,6 +246,11 @@ def _cli_layer(overrides: list[str]):
             raise UsageError(
                 f"command line: {key}: '{_printable(value)}' is not true or false "
                 f"(e.g. {example(key)})"
+            )
+        if key in _PLUGIN_KEYS and value.rstrip().endswith(":"):  # YAML reads `a.b:` as a mapping
+            raise UsageError(
+                f"command line: {key}: '{_printable(value)}' names no object after the colon: "
+                f"write package.module:factory (e.g. {key}=mypkg.module:build)"
             )
         if _printable(value) != value:
             raise UsageError(
