@@ -58,8 +58,10 @@ def read(
     path: str | Path,
     build_args: Mapping[str, str] | None = None,
     base_env: Mapping[str, str] | None = None,
+    base: Image | None = None,
 ) -> Image:
-    """The final stage's runtime config. `base_env`: what the base image's ENV is taken to be."""
+    """The final stage's runtime config. `base_env`: what the base image's ENV is taken to be;
+    `base`: the base image itself (another Dockerfile's `read`), for a file built FROM it."""
     build_args = dict(build_args or {})
     global_args: dict[str, str] = {}
     stages: dict[str, Image] = {}
@@ -75,7 +77,7 @@ def read(
             words = [w for w in rest.split() if not w.startswith("--")]  # --platform=...
             ref = _expand(words[0], {**global_args, **build_args})
             alias = words[2] if len(words) >= 3 and words[1].lower() == "as" else ""
-            parent = stages.get(ref)
+            parent = stages.get(ref, base)
             image = (
                 Image(
                     env=dict(parent.env),
