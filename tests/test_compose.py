@@ -199,6 +199,35 @@ def test_the_missing_data_hint_names_where_compose_mounts_data():
     assert f"data.root={DataConfig.root}" in MOUNT_HINT
 
 
+def test_the_ratings_example_override_runs_its_image_and_script_in_the_cpu_service():
+    """examples/ratings/compose.yaml on top of compose.yaml: the cpu service builds and runs the
+    example's image (FROM the service's own image) and that image's command (trainer-launch --
+    train.py), in the cpu profile's runs folder, with the shell's TRAIN_ARGS last; its sandbox,
+    volumes and limits are the cpu service's. Its image is the one the example's overlay runs."""
+    from tests import example_ratings
+    from tests import k8s as kube
+
+    files = ["-f", str(ROOT / "compose.yaml"), "-f", str(example_ratings.COMPOSE_FILE)]
+    p = _compose(
+        *files, "--profile", "cpu", "config", "--format", "json", TRAIN_ARGS="optim.lr=0.5"
+    )
+    assert p.returncode == 0, p.stderr
+    s, base = json.loads(p.stdout)["services"]["cpu"], compose_config("cpu")["services"]["cpu"]
+    assert s["build"]["context"] == str(example_ratings.EXAMPLE)
+    assert (example_ratings.EXAMPLE / s["build"]["dockerfile"]) == example_ratings.DOCKERFILE
+    assert s["build"]["args"]["BASE_IMAGE"] == base["image"]
+    img = example_ratings.image(base["build"]["args"]["VARIANT"])
+    command = [a.replace("$$", "$") for a in s["command"]]
+    assert command[: len(img.cmd)] == img.cmd and command[-1] == "optim.lr=0.5"
+    assert "run_dir=runs/cpu/${name}" in command  # the cpu profile's folder of the runs volume
+    assert split_command(command, _container_env(s)).foreign == tuple(command[1:])
+    for key in set(base) - {"build", "image", "command", "environment"}:
+        assert s[key] == base[key], key
+    if kube.kubectl():
+        (pod, *_) = kube.pods(kube.render(example_ratings.OVERLAY))
+        assert pod.container["image"] == s["image"]
+
+
 def test_tensorboard_reads_the_runs_volume_on_localhost_only():
     s = compose_config("tensorboard")["services"]["tensorboard"]
     assert s["entrypoint"] == ["tensorboard"] and "/workspace/runs" in s["command"]
