@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import dockerfile
+from tests import dockerfile, example_ratings
 from tests import k8s as kube
 from tests.helpers import ROOT, env
 from trainer import launch
@@ -29,6 +29,8 @@ pytestmark = [
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
 GPU_OVERLAYS = ("gpu", "jobset", "kubeflow")
 JOB_OVERLAYS = ("cpu-smoke", "gpu")  # a plain Indexed Job
+RATINGS = pytest.param(example_ratings.OVERLAY, id="ratings-example")
+"""examples/ratings/k8s, an overlay of cpu-smoke outside k8s/: the checks that hold for any job."""
 needs_crds = pytest.mark.skipif(
     not kube.CRDS.is_dir(), reason=f"needs the upstream CRD schemas in {kube.CRDS}"
 )
@@ -90,7 +92,7 @@ def _memory(q: str) -> int:
     return int(q[:-2]) * units[q[-2:]] if q[-2:] in units else int(q)
 
 
-@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+@pytest.mark.parametrize("overlay", [*kube.OVERLAYS, RATINGS])
 def test_pods_meet_the_restricted_pod_security_profile(overlay):
     objs = kube.render(overlay)
     pod = kube.pods(objs)[0]
@@ -167,7 +169,7 @@ def test_every_path_the_image_writes_is_a_volume(overlay):
     assert cm == kube.one(objs, "ConfigMap")["metadata"]["name"]
 
 
-@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+@pytest.mark.parametrize("overlay", [*kube.OVERLAYS, RATINGS])
 def test_the_grace_period_covers_torchruns_shutdown_timeout(overlay):
     pod = kube.pods(kube.render(overlay))[0]
     shutdown = int(pod.env()["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"])
@@ -188,7 +190,7 @@ def test_gpu_limit_is_one_gpu_per_process(overlay):
     assert "nvidia.com/gpu" not in str(kube.pods(kube.render("cpu-smoke"))[0].container)
 
 
-@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+@pytest.mark.parametrize("overlay", [*kube.OVERLAYS, RATINGS])
 def test_network_policy_admits_exactly_the_jobs_own_pods_on_every_tcp_port(overlay):
     objs = kube.render(overlay)
     policy = kube.one(objs, "NetworkPolicy")["spec"]
@@ -289,7 +291,7 @@ def test_every_exit_code_has_a_decided_action():
     assert set(JOBSET_ACTIONS) >= {c for c in ExitCode if c != ExitCode.OK}
 
 
-@pytest.mark.parametrize("overlay", JOB_OVERLAYS)
+@pytest.mark.parametrize("overlay", [*JOB_OVERLAYS, RATINGS])
 def test_indexed_job_maps_the_trainers_exit_codes(overlay):
     pod = kube.pods(kube.render(overlay))[0]
     job = kube.one(kube.render(overlay), "Job")["spec"]
@@ -338,7 +340,7 @@ def torch_and_nccl_text():
     return text, nccl[0] if nccl else None
 
 
-@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+@pytest.mark.parametrize("overlay", [*kube.OVERLAYS, RATINGS])
 def test_every_variable_is_one_that_something_reads(overlay, torch_and_nccl_text):
     torch_text, libnccl = torch_and_nccl_text
     names = launch_env_names()
@@ -467,3 +469,39 @@ def test_the_gpu_overlay_checks_run_without_a_gpu(request):
     gpu_overlay = [i for i in session.items if i.module is request.module and "[gpu]" in i.name]
     assert gpu_overlay, "no test here is parametrized over the gpu overlay"
     assert not any(i.get_closest_marker("skip") for i in gpu_overlay), [i.name for i in gpu_overlay]
+
+
+def test_the_ratings_example_overlay_is_cpu_smoke_running_the_examples_image_and_script():
+    """examples/ratings/k8s: cpu-smoke's objects and pods, valid against the Kubernetes schemas,
+    with the example's image, whose own command (trainer-launch -- its train.py) every pod runs
+    under torchrun across the two pods, and without the digits config or TRAIN_ARGS (which only
+    `trainer train` reads)."""
+    objs, smoke = kube.render(example_ratings.OVERLAY), kube.render("cpu-smoke")
+    assert kube.kinds(objs) == [k for k in kube.kinds(smoke) if k != "ConfigMap"]
+    for obj in objs:
+        assert kube.validate_core_object(obj) is None, (obj["kind"], kube.validate_core_object(obj))
+    img = example_ratings.image("cpu")
+    pods, twins = kube.pods(objs), kube.pods(smoke)
+    assert len(pods) == len(twins) == 2
+    for pod, twin in zip(pods, twins, strict=True):
+        c, t = pod.container, twin.container
+        assert c["image"].startswith("trainer-ratings:") and c["image"] != t["image"]
+        for key in ("resources", "securityContext", "ports", "imagePullPolicy"):
+            assert c[key] == t[key], key
+        assert set(pod.env()) == set(twin.env()) - {"TRAIN_ARGS"}
+        assert not any("configMap" in v for v in pod.spec["volumes"])
+        args = pod.argv(img.entrypoint, img.cmd)
+        assert args[: 1 + len(img.cmd)] == [*img.entrypoint, *img.cmd]  # then cpu-smoke's device
+        e = pod.env()
+        plan = make_plan(
+            e,
+            split_command(args[1:], e),
+            gpus=0,
+            cpus=2,
+            python="python",
+            probe=lambda node, env: Route(env["POD_IP"], "eth0"),
+        )
+        f = flags(plan)
+        assert f["nnodes"] == "2" and f["nproc-per-node"] == "1"
+        assert f["rdzv-endpoint"] == f"{pods[0].dns_name}:{e['MASTER_PORT']}"
+        assert plan.argv[-len(args[2:]) :] == tuple(args[2:])  # torchrun runs the script, as is

@@ -30,7 +30,7 @@ import pytest
 
 from tests import dockerfile, netns
 from tests import k8s as kube
-from tests.helpers import ROOT, checkpoints, env, wait_for, weights
+from tests.helpers import ROOT, checkpoints, env, train_losses, wait_for, weights
 from trainer.errors import ExitCode
 
 pytestmark = [
@@ -47,11 +47,24 @@ class Cluster:
     """The overlay's pods, each startable (again) with the same environment, as its controller
     would recreate it, and killable as a whole, as when a node is lost."""
 
-    def __init__(self, tmp: Path, net: netns.Network, extra_env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        net: netns.Network,
+        extra_env: dict[str, str] | None = None,
+        *,
+        overlay: str | Path = OVERLAY,
+        image: dockerfile.Image | None = None,
+        image_files: dict[str, Path] | None = None,
+        extra_args: tuple[str, ...] = (),
+    ):
+        """`image`: the image the overlay runs (default docker/Dockerfile's cpu variant), with
+        `image_files` (path in the image -> local folder) for what it adds to the trainer's;
+        `extra_args`: test-only arguments after the rendered ones."""
         self.tmp, self.net = tmp, net
-        self.objs = kube.render(OVERLAY)
+        self.objs = kube.render(overlay)
         self.pods = kube.pods(self.objs, ip=lambda i: net.nodes[i].ip)
-        img = dockerfile.read(
+        img = image or dockerfile.read(
             ROOT / "docker" / "Dockerfile",
             {"VARIANT": "cpu"},
             base_env={"PATH": os.environ["PATH"]},
@@ -63,8 +76,12 @@ class Cluster:
         self.argv, self.envs = [], []
         for pod in self.pods:
             mounts = {img.env["VIRTUAL_ENV"]: Path(sys.prefix), img.workdir: self.workspace}
+            mounts.update(image_files or {})
             mounts.update(self._volumes(pod, img.workdir))
-            argv = [kube.on_this_machine(a, mounts) for a in pod.argv(img.entrypoint, img.cmd)]
+            argv = [
+                kube.on_this_machine(a, mounts)
+                for a in [*pod.argv(img.entrypoint, img.cmd), *extra_args]
+            ]
             e = {k: kube.on_this_machine(v, mounts) for k, v in {**img.env, **pod.env()}.items()}
             e["HOSTNAME"] = pod.hostname
             e.update(extra_env or {})
@@ -375,3 +392,54 @@ def test_the_gpt_with_fsdp_trains_across_the_pods_with_shards_on_shared_storage(
         json.loads((local / "summary.json").read_text())["eval"]["bits_per_byte"], rel=1e-5
     )
     _assert_same_weights(run_dir, local)
+
+
+def test_the_ratings_example_overlay_trains_across_two_pods_bitwise_like_one_process(
+    tmp_path, tmp_path_factory
+):
+    """examples/ratings/k8s: the example's image (its package, train.py, ratings.yaml and CSVs)
+    and its script (trainer-launch -- /opt/ratings/train.py) in the cpu-smoke pods. The two pods'
+    ranks end with the metrics, losses and weights of train.py's trainer.fit on one rank here, to
+    the bit (repro.world_invariant). Test-only: a short run (example_ratings.SHORT)."""
+    from tests import example_ratings as ratings
+    from trainer import config
+
+    reference = ratings.reference(tmp_path_factory)
+    img = ratings.image("cpu", base_env={"PATH": os.environ["PATH"]})
+    files = ratings.stand_in(tmp_path / "opt", ratings.data(tmp_path_factory), img)
+    pods = kube.pods(kube.render(ratings.OVERLAY))
+    (tmp_path / "pods").mkdir()
+    with _network(pods) as net:
+        cluster = Cluster(
+            tmp_path / "pods",
+            net,
+            {"PYTHONPATH": str(ratings.EXAMPLE)},  # the package the image pip-installed
+            overlay=ratings.OVERLAY,
+            image=img,
+            image_files=files,
+            extra_args=tuple(ratings.SHORT),
+        )
+        try:
+            started = time.monotonic()
+            codes = cluster.run_all()
+            wall = time.monotonic() - started
+        finally:
+            cluster.close()
+    assert codes == [0] * len(pods), cluster.logs()
+    assert cluster.argv[0][:3] == [
+        "trainer-launch",
+        "--",
+        str(files[ratings.app_dir(img)] / "train.py"),
+    ]
+    assert "2 nodes x 1 process(es)" in cluster.log(0) and "this is node 1" in cluster.log(1)
+    cfg = config.load(str(ratings.EXAMPLE / "ratings.yaml"), [])
+    run_dir = cluster.workspace / _run_dir_under_trainer_launch(cfg)  # runs/ratings on the claim
+    summary = json.loads((run_dir / "summary.json").read_text())
+    ref = json.loads((reference / "summary.json").read_text())
+    assert (summary["world_size"], ref["world_size"]) == (2, 1)
+    assert summary["steps"] == ref["steps"] and summary["eval"] == ref["eval"]
+    assert train_losses(run_dir) == train_losses(reference)
+    mine, theirs = weights(run_dir), weights(reference)
+    assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs)
+    print(f"ratings overlay in 2 netns pods: {wall:.1f} s, {summary['steps']} steps, "
+          f"rmse {summary['eval']['rmse']:.4f} == 1 rank, bit for bit")  # fmt: skip
