@@ -149,6 +149,29 @@ def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_run
     assert_same_numbers(run, reference_runs(2))
 
 
+# examples/ratings under the stock component: its own script (trainer.fit) on every rank, as
+# docs/torchx.md and examples/ratings/README.md give the command (there data.root is the default).
+RATINGS_SCRIPT = "examples/ratings/train.py"
+
+
+@pytest.mark.slow
+def test_stock_dist_ddp_runs_the_ratings_examples_script_bitwise_like_one_process(
+    tmp_path, tmp_path_factory
+):
+    from tests import example_ratings as ratings
+
+    reference = ratings.reference(tmp_path_factory)
+    run = tmp_path / "run"
+    run_local_cwd(
+        tmp_path, "dist.ddp", "-j", "1x2", "--script", RATINGS_SCRIPT, *ratings.SHORT,
+        f"data.root={ratings.data(tmp_path_factory)}", f"run_dir={run}",
+    )  # fmt: skip
+    s = summary(run)
+    assert s["world_size"] == 2 and summary(reference)["world_size"] == 1
+    assert s["config"]["model"]["name"] == "ratings.model:build"  # what train.py handed over
+    assert_same_numbers(run, reference)  # repro.world_invariant: 2 ranks == 1, to the bit
+
+
 @pytest.mark.slow
 def test_max_restarts_restarts_the_worker_group_in_place(tmp_path, reference_runs):
     # Also: the component on local_cwd computes exactly what plain torchrun does.
