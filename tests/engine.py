@@ -275,13 +275,14 @@ def image_requirements() -> list[str]:
 
 
 class Wheelhouse:
-    """The wheels the image needs, from this machine's package index, on http://127.0.0.1:PORT/."""
+    """The wheels the image needs (or `requirements`), from this machine's package index, on
+    http://127.0.0.1:PORT/."""
 
-    def __init__(self, python_version: str):
-        self.folder = WORK / "wheels"
+    def __init__(self, python_version: str, requirements: list[str] | None = None, name="wheels"):
+        self.folder = WORK / name
         self.folder.mkdir(parents=True, exist_ok=True)
-        reqs = WORK / "image-requirements.txt"
-        reqs.write_text("\n".join(image_requirements()) + "\n")
+        reqs = WORK / ("image-requirements.txt" if requirements is None else f"{name}.txt")
+        reqs.write_text("\n".join(requirements or image_requirements()) + "\n")
         _link_local_wheels(self.folder, reqs, python_version)
         cmd = [
             sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir",
@@ -293,7 +294,7 @@ class Wheelhouse:
         handler = functools.partial(_QuietHandler, directory=str(self.folder))
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
-        self.pip_conf = WORK / "pip.conf"
+        self.pip_conf = WORK / ("pip.conf" if requirements is None else f"{name}.pip.conf")
         self.pip_conf.write_text(f"[global]\nno-index = true\nfind-links = {self.url}\n")
         self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self._thread.start()

@@ -54,7 +54,12 @@ VARIANT = "cuda"
 TAG = f"{IMAGE}:{VARIANT}"
 BASE = f"{IMAGE}-base:bookworm"
 PROJECT = IMAGE
-SUBNETS = {PROJECT: "10.213.1.0/24", f"{PROJECT}-sigterm": "10.213.2.0/24"}  # inside engine.POOL
+SUBNETS = {
+    PROJECT: "10.213.1.0/24",
+    f"{PROJECT}-sigterm": "10.213.2.0/24",
+    f"{PROJECT}-ratings": "10.213.3.0/24",
+}  # inside engine.POOL
+RATINGS_TAG = f"{IMAGE}-ratings:{VARIANT}"  # examples/ratings/Dockerfile, FROM TAG
 KEEP = bool(os.environ.get("TRAINER_IMAGE_TEST_KEEP"))
 REPORT = ROOT / "build" / "image-test-report.json"
 UID = 1000
@@ -96,7 +101,7 @@ def engine(report):
     if e.proc is None:  # someone else's engine: take away only what we made
         for project in SUBNETS:
             compose(e, project, None, "down", "--volumes", "--remove-orphans", check=False)
-        e.docker("image", "rm", "-f", TAG, BASE, check=False)
+        e.docker("image", "rm", "-f", RATINGS_TAG, TAG, BASE, check=False)
         return
     report["engine_disk_bytes"] = disk_used(e.owned["data"])
     say(f"engine data-root at the end: {report['engine_disk_bytes'] / 1e9:.1f} GB")
@@ -139,7 +144,7 @@ def image(engine, report):
         f"({report['wheels_bytes'] / 1e9:.1f} GB), build {report['build_s']} s, "
         f"image {report['image_bytes'] / 1e9:.2f} GB"
     )
-    return {"tag": TAG, "log": log, "wheel_url": wheels.url}
+    return {"tag": TAG, "log": log, "wheel_url": wheels.url, "python": python}
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +164,9 @@ def memlock_ok(engine, image) -> bool:
 
 
 def compose(engine, project, override, *args, timeout=600, check=True, base="compose.yaml", **env):
-    files = ["-f", ROOT / base, *(["-f", override] if override else [])]
+    """`docker compose -f base [-f override ...]`: `override` is one file, a list of them or None."""
+    overrides = override if isinstance(override, list) else [override] if override else []
+    files = ["-f", ROOT / base, *(a for o in overrides for a in ("-f", o))]
     e = {
         k: v
         for k, v in engine.env.items()
@@ -650,3 +657,74 @@ def test_sigterm_to_a_compose_service_checkpoints_exits_3_and_up_resumes(
         say(f"SIGTERM at step {step}: exit 3 in {report['sigterm_stop_s']} s, resumed to the end")
     finally:
         p.down()
+
+
+def test_the_ratings_example_built_on_the_image_runs_in_compose_like_one_local_process(
+    engine, image, memlock_ok, tmp_path, tmp_path_factory, report
+):
+    """A user's project on the image: examples/ratings/Dockerfile built FROM it (its package
+    pip-installed with the build backend from the pip.conf secret, no registry), then
+    `docker compose -f compose.yaml -f examples/ratings/compose.yaml --profile cpu up cpu`: the
+    example's train.py on 2 ranks in the hardened cpu service. Under repro.world_invariant its
+    metrics, losses and weights equal train.py's trainer.fit on one rank here, to the bit."""
+    import tomllib
+
+    from tests import example_ratings as ratings
+
+    backend = tomllib.loads((ratings.EXAMPLE / "pyproject.toml").read_text())["build-system"]
+    t = time.monotonic()
+    wheels = Wheelhouse(image["python"], backend["requires"], name="ratings-wheels")
+    try:
+        build = engine.docker(
+            "build", "-f", ratings.DOCKERFILE, "--build-arg", f"BASE_IMAGE={TAG}",
+            "--secret", f"id=pip.conf,src={wheels.pip_conf}", "--network=host",
+            "--progress=plain", "-t", RATINGS_TAG, ratings.EXAMPLE, check=False,
+        )  # fmt: skip
+    finally:
+        wheels.close()
+    assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-5000:]
+    report["ratings_build_s"] = round(time.monotonic() - t, 1)
+    history = engine.docker("history", "--no-trunc", "--format", "{{.CreatedBy}}", RATINGS_TAG)
+    assert wheels.url not in history.stdout and "no-index" not in history.stdout
+
+    override = tmp_path / "ratings-override.yaml"  # the test's image, subnet and ulimits only
+    lines = ["services:", "  cpu:", f"    image: {RATINGS_TAG}", "    pull_policy: never"]
+    if not memlock_ok:
+        lines += ["    ulimits: !override", "      stack: 67108864"]
+    name = f"{PROJECT}-ratings"
+    lines += ["networks:", "  default:", "    ipam:", "      config:"]
+    lines += [f"        - subnet: {SUBNETS[name]}"]
+    override.write_text("\n".join(lines) + "\n")
+    data = tmp_path / "data"  # DATA_DIR: unused (the CSVs are in the image), mounted read-only
+    data.mkdir()
+
+    def c(*args, **kw):
+        return compose(engine, name, [ratings.COMPOSE_FILE, override], *args, DATA_DIR=str(data),
+                       TRAIN_ARGS=" ".join(ratings.SHORT), **kw)  # fmt: skip
+
+    t = time.monotonic()
+    try:
+        up = c("--profile", "cpu", "up", "--no-build", "--abort-on-container-exit",
+               "--exit-code-from", "cpu", "cpu", check=False)  # fmt: skip
+        report["ratings_compose_wall_s"] = round(time.monotonic() - t, 1)
+        logs = c("logs", "--no-color", "--no-log-prefix", "cpu").stdout
+        assert up.returncode == 0, logs[-3000:] + up.stderr[-2000:]
+        container = c("ps", "--all", "--quiet", "cpu").stdout.split()[0]
+        inspected = json.loads(engine.docker("inspect", container).stdout)[0]
+        assert inspected["Config"]["Image"] == RATINGS_TAG
+        assert_hardened(inspected, memlock_ok)
+        assert "1 node x 2 process(es)" in logs, logs[-3000:]
+        run_dir = tmp_path / "run"
+        engine.docker("cp", f"{container}:/workspace/runs/cpu/ratings", str(run_dir))
+    finally:
+        c("--profile", "cpu", "down", "--volumes", "--timeout", "5", check=False)
+
+    reference = ratings.reference(tmp_path_factory)
+    s, ref = summary(run_dir), summary(reference)
+    assert (s["world_size"], ref["world_size"], s["backend"]) == (2, 1, "gloo")
+    assert s["config"]["model"]["name"] == "ratings.model:build"  # what train.py handed over
+    assert_same_numbers(run_dir, reference)
+    report["ratings_rmse"] = s["eval"]["rmse"]
+    say(f"ratings example image ({report['ratings_build_s']} s to build) in compose on 2 ranks "
+        f"({report['ratings_compose_wall_s']} s) == 1 local rank, bit for bit "
+        f"(rmse {s['eval']['rmse']:.4f})")  # fmt: skip
