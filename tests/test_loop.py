@@ -111,17 +111,20 @@ def test_a_cadence_that_changes_every_step_still_votes_within_every_steps(monkey
 
 def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence(monkeypatch):
     # Two ranks: the other one's shares arrive through the all-reduce (loss 1, cadence 10,
-    # metrics errno 5, a save asked for); the cadence is the ranks' mean rounded up, the flags
-    # their sum, and a save is due if any rank (rank 0, by its clock) asked.
+    # metrics errno 5, a save asked for, its forward 0.3 s and data wait 0.4 s in rank 1's
+    # slots); the cadence is the ranks' mean rounded up, the flags their sum, a save is due if
+    # any rank (rank 0, by its clock) asked, and each rank's pair lands in its own slots.
     two = LossSums("cpu", world_size=2)
     two.add(torch.tensor(2.0), 64)
-    other = torch.tensor([1.0, 10.0, 5.0, 1.0], dtype=torch.float64)
+    other = torch.tensor([1.0, 10.0, 5.0, 1.0, 0.0, 0.3, 0.0, 0.4], dtype=torch.float64)
     monkeypatch.setattr(loop.ranks, "all_reduce_sum", lambda t: t + other)
-    assert two.window_mean(7, flag=0) == (3.0, 9, 5, True)
+    assert two.window_mean(7, flag=0, mine=(0.1, 0.2), rank=0) == (
+        3.0, 9, 5, True, ([0.1, 0.3], [0.2, 0.4])
+    )  # fmt: skip
     monkeypatch.undo()
     sums = LossSums("cpu", world_size=1)
     sums.add(torch.tensor(2.0), 64)
     sums.add(torch.tensor(4.0), 64)
-    assert sums.window_mean(7) == (3.0, 7, 0, False)
+    assert sums.window_mean(7)[:4] == (3.0, 7, 0, False)
     sums.add(torch.tensor(1.0), 64)
-    assert sums.window_mean(flag=28, save=1) == (1.0, 1, 28, True)  # rank 0's metrics write errno
+    assert sums.window_mean(flag=28, save=1)[:4] == (1.0, 1, 28, True)  # rank 0's write errno

@@ -20,7 +20,7 @@ EXIT_CODES = """exit codes:
 NEWEST = "\0newest"
 """--resume without RUN_DIR (argparse's const: not a path anyone can type)."""
 
-COMMANDS = ("train", "eval", "export", "doctor", "config", "report", "data")
+COMMANDS = ("train", "eval", "export", "doctor", "config", "report", "data", "diagnose")
 """The subcommands (trainer-launch runs `train` under torchrun and the others once)."""
 
 
@@ -164,6 +164,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--split-seed", type=int, default=0, help="seed of the per-file split")
     p.set_defaults(func=_cmd_data)
+
+    p = sub.add_parser(
+        "diagnose",
+        help="say again which rank stalled and where, from a run's diagnostics/ files",
+        description="Read RUN_DIR/diagnostics/ (written when a rank made no step for "
+        "dist.stall_s, or a collective failed) and print who stalled where, and each rank's "
+        "stack file.",
+    )
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder of the job that hung")
+    p.set_defaults(func=_cmd_diagnose)
     return parser
 
 
@@ -319,6 +329,13 @@ def _cmd_data(args) -> int:
         test_fraction=args.test_fraction,
         split_seed=args.split_seed,
     )
+    return ExitCode.OK
+
+
+def _cmd_diagnose(args) -> int:
+    from trainer.diagnostics import diagnose
+
+    print(diagnose(args.run_dir))
     return ExitCode.OK
 
 

@@ -16,6 +16,7 @@ import torch
 
 from trainer import data, perf, ranks
 from trainer.config import CkptConfig, TrainConfig
+from trainer.diagnostics import straggler_line
 from trainer.errors import ConfigError, Preempted, TrainerError, first_line, io_error
 from trainer.evaluate import evaluate
 from trainer.signals import StopVote
@@ -95,6 +96,7 @@ def fit(run: Run) -> None:
         for _, batch, count in clock.timed(batches):  # batches are on the device already
             losses.add(run.step(batch, count, state.step), count)
             state.step += 1
+            run.watchdog.beat(state.step)
             state.step_in_epoch += 1
             state.samples_seen += count
             run.log.tick(state.step, epoch_of(state))
@@ -149,13 +151,20 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool
     samples, steps = losses.window_samples, losses.window_steps
     # One all-reduce: all ranks' loss shares summed (the global mean loss per step), their
     # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank),
-    # rank 0's metrics write error since the last window (its errno; the others add 0), and
-    # rank 0's verdict on the wall-time save cadence (1 or 0; the others add 0).
+    # rank 0's metrics write error since the last window (its errno; the others add 0), rank
+    # 0's verdict on the wall-time save cadence (1 or 0; the others add 0), and each rank's
+    # forward and data-wait seconds in slots of its own (straggler accounting).
     due = run.world.is_main and save_due(run.cfg.ckpt, run.ckpt.last_save_time)
-    loss, every, failed, save = losses.window_mean(
-        StopVote.cadence(clock.since_lap() / steps), _write_error_code(run), int(due)
+    mine = (run.step.forward_s.take(), clock.waited_in_lap())
+    loss, every, failed, save, per_rank = losses.window_mean(
+        StopVote.cadence(clock.since_lap() / steps),
+        _write_error_code(run),
+        int(due),
+        mine,
+        run.world.rank,
     )
     elapsed, waited = clock.lap()  # after the all-reduce: the window includes waiting for it
+    run.watchdog.observe(elapsed / steps)
     if failed:
         _stop_for_metrics(run, clock, failed)
     check_loss(run, loss)
@@ -163,8 +172,40 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool
     record = {"kind": "train", "step": run.state.step, "epoch": epoch_of(run.state), "loss": loss}
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
+    forward, wait = per_rank
+    if 1 < run.world.size <= RANKS_IN_RECORDS:
+        record["rank_forward_ms"] = [round(1e3 * f / steps, 3) for f in forward]
+        record["rank_data_wait_ms"] = [round(1e3 * w / steps, 3) for w in wait]
     run.log.record(record)
+    if run.world.is_main:
+        _name_stragglers(run, forward, wait, steps, elapsed)
     return every, save
+
+
+RANKS_IN_RECORDS = 64
+"""Train records carry per-rank times up to this world size (summary.json's table always)."""
+
+
+def _name_stragglers(run: Run, forward, wait, steps: int, elapsed: float) -> None:
+    """Rank 0: a console line and a `straggler` record the first time a rank is slow for
+    several windows in a row (trainer/diagnostics.py)."""
+    for s in run.stragglers.window(forward, wait, steps, elapsed):
+        node, host = run.hosts[s.rank] if run.hosts else (None, None)
+        run.log.info(straggler_line(s, run.hosts))
+        run.log.record(
+            {
+                "kind": "straggler",
+                "step": run.state.step,
+                "rank": s.rank,
+                "node": node,
+                "host": host,
+                "slow": s.kind,
+                "rank_ms": s.mine_ms,
+                "others_median_ms": s.others_ms,
+                "step_ms": s.step_ms,
+            },
+            console=False,
+        )
 
 
 def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
@@ -183,7 +224,7 @@ def throughput(run: Run, samples: int, elapsed: float, waited: float) -> dict:
 
 
 def _evaluate(run: Run, clock: TrainClock) -> None:
-    with clock.paused():
+    with clock.paused(), run.watchdog.paused():
         result = evaluate(
             run.model,
             run.data,
@@ -242,7 +283,7 @@ def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
 
 def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = False) -> str | None:
     check_weights(run)  # never a checkpoint of NaN weights over the good ones
-    with clock.paused():
+    with clock.paused(), run.watchdog.paused():
         run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
         if must_succeed:
             return run.ckpt.save(run.state, run.results, reason)
@@ -316,19 +357,24 @@ class LossSums:
         self.window_samples += count
 
     def window_mean(
-        self, proposal: int = 1, flag: int = 0, save: int = 0
-    ) -> tuple[float, int, int, bool]:
+        self, proposal: int = 1, flag: int = 0, save: int = 0, mine=(0.0, 0.0), rank: int = 0
+    ) -> tuple[float, int, int, bool, tuple[list[float], list[float]]]:
         """The window's mean loss per step over all ranks, the mean of the ranks' integer
-        `proposal`s rounded up, the sum of their integer `flag`s, and whether any rank asked
-        for a `save` (one collective); starts a new window."""
-        extra = self.window.new_tensor([float(proposal), float(flag), float(save)])
-        loss, proposals, flags, saves = ranks.all_reduce_sum(
+        `proposal`s rounded up, the sum of their integer `flag`s, whether any rank asked for a
+        `save`, and every rank's pair of numbers `mine` (its own slots, zeros elsewhere: an
+        exact sum), all in one collective; starts a new window."""
+        extra = self.window.new_zeros(3 + 2 * self.world_size)
+        extra[0], extra[1], extra[2] = float(proposal), float(flag), float(save)
+        extra[3 + rank], extra[3 + self.world_size + rank] = mine
+        loss, proposals, flags, saves, *per_rank = ranks.all_reduce_sum(
             torch.cat([self.window[None], extra])
         ).tolist()
         self.window.zero_()
         mean = loss / self.window_steps
         self.window_steps = self.window_samples = 0
-        return mean, math.ceil(proposals / self.world_size), int(flags), saves > 0
+        w = self.world_size
+        firsts, seconds = per_rank[:w], per_rank[w:]
+        return mean, math.ceil(proposals / w), int(flags), saves > 0, (firsts, seconds)
 
     def epoch_mean(self) -> float | None:
         """The epoch's mean loss per step (a collective), None if it had no steps; starts anew."""
@@ -360,6 +406,10 @@ class TrainClock:
         lap, self._lap_start = now - self._lap_start, now
         waited, self._lap_waited = self._lap_waited, 0.0
         return lap, waited
+
+    def waited_in_lap(self) -> float:
+        """Seconds waiting for data since the previous lap, without starting a new one."""
+        return self._lap_waited
 
     def since_lap(self) -> float:
         """Seconds since the previous lap (pauses left out), without starting a new one."""

@@ -79,8 +79,8 @@ def _metrics_text(record: dict, prefix: str = "") -> list[str]:
         if not key.startswith(prefix) or key in ("kind", "step", "epoch", "time"):
             continue
         name = key[len(prefix) :]
-        if name == "count":
-            continue  # said once, at the end of the line
+        if name == "count" or isinstance(value, list):
+            continue  # said once, at the end of the line; per-rank lists stay in the file
         if name == "mfu" and isinstance(value, float):
             parts.append(f"MFU {100 * value:.1f}%")
         elif name in _LABEL and isinstance(value, (int, float)):

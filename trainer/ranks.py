@@ -15,6 +15,7 @@ import datetime
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from trainer.diagnostics import Collectives
 from trainer.envvars import env_int, env_port
 from trainer.errors import EnvError, RetryableError, first_line
 
@@ -305,6 +306,7 @@ def broadcast_object(obj, src: int = 0):
 
     if not _joined():
         return obj
+    Collectives.enter("broadcast")
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=_control_group)
     return box[0]
@@ -316,6 +318,7 @@ def gather_objects(obj, dst: int = 0) -> list | None:
 
     if not _joined():
         return [obj]
+    Collectives.enter("gather")
     out = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(obj, out, dst=dst, group=_control_group)
     return out
@@ -333,5 +336,6 @@ def all_reduce_sum(tensor):
     import torch.distributed as dist
 
     if _joined():
+        Collectives.enter("all_reduce")
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor

@@ -15,6 +15,7 @@ from trainer import data, models, optim, perf, repro, sampler, tasks
 from trainer.checkpoint.manager import Checkpointer, LoopState
 from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, TrainConfig
+from trainer.diagnostics import ForwardTimer, Stragglers, Watchdog
 from trainer.errors import ConfigError, UsageError
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
@@ -64,6 +65,12 @@ class Run:
     """One device's dense peak FLOP/s for the run's precision, None if unknown (any CPU)."""
     started: float
     """time.time() when `trainer train` began."""
+    watchdog: Watchdog = field(default_factory=lambda: Watchdog(where=None, stall_s=0, timeout_s=1))
+    """Names a stall (trainer/diagnostics.py); a disabled one until train starts it."""
+    stragglers: Stragglers | None = None
+    """Rank 0's per-rank forward and data-wait accounting (None elsewhere)."""
+    hosts: list | None = None
+    """Rank 0: every rank's (node, host), gathered when the run's record is written."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -194,6 +201,7 @@ def build(
         device=world.device,
         strategy=strategy,
         seed=cfg.seed,
+        forward_s=ForwardTimer(world.device),
     )
     if isinstance(strategy, WorldInvariant):
         _check_shards_fit_batchnorm(cfg, model, len(spec.train))
@@ -225,6 +233,7 @@ def build(
         started=started,
         flops_per_sample=flops,
         peak_flops=peak,
+        stragglers=Stragglers(world.size) if world.is_main else None,
     )
 
 

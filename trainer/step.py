@@ -22,6 +22,7 @@ from torch import nn
 from trainer import batch as batches
 from trainer import ranks
 from trainer.config import TrainConfig
+from trainer.diagnostics import ForwardTimer
 from trainer.errors import first_line
 from trainer.invariant import ShardedGradients, seed_shard
 from trainer.strategy import Strategy
@@ -80,6 +81,8 @@ class TrainStep:
     """repro.world_invariant: per-shard gradients summed in a fixed tree (trainer/invariant.py)."""
     seed: int = 0
     """Seeds each shard's dropout (with the step and shard index) under repro.world_invariant."""
+    forward_s: ForwardTimer = field(default_factory=lambda: ForwardTimer("cpu"))
+    """This rank's forward time (straggler accounting: trainer/diagnostics.py)."""
 
     def state_dict(self, *, tensors: bool = True) -> dict:
         """What a checkpoint holds of this step: the schedule's position and the loss scaler,
@@ -157,7 +160,9 @@ class TrainStep:
     def _backward(self, batch, factor: float) -> torch.Tensor:
         """Forward, summed loss, backward of loss x factor (scaled for fp16); the summed loss."""
         with self._autocast():
+            self.forward_s.start()
             out = forward(self.task, self.model, batch)
+            self.forward_s.stop()
             local = checked_loss(self.task, self.task.loss(out, batch))
         self.scaler.scale(local * factor).backward()
         return local.detach()

@@ -22,7 +22,8 @@ import torch
 from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strategy
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
-from trainer.errors import io_error
+from trainer.diagnostics import Watchdog, Where, flight_recorder_env
+from trainer.errors import first_line, io_error
 from trainer.run import Plugins, Run, build
 from trainer.signals import StopSignal
 
@@ -51,7 +52,10 @@ def train(
 
 
 def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
-    with ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group):
+    with (
+        _flight_recorder(cfg, world),
+        ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group),
+    ):
         chosen_here = not cfg.run_dir
         if chosen_here:  # a new folder per run (or the launcher's): rank 0 decides for all
             chosen = rundir.resolve(cfg.name, None, claim=not dry_run) if world.is_main else None
@@ -67,12 +71,42 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
         if previous is not None:
             return previous
         record = record_start(run)
+        run.watchdog = _watchdog(run).start()
         try:
             loop.fit(run)
+        except (RuntimeError, OSError) as e:  # a lost peer, a collective's timeout: say where
+            if world.distributed and ranks.is_peer_failure(e):
+                run.watchdog.wait_if_firing()
+                run.watchdog.dump(f"a collective failed: {first_line(e)}")
+            raise
         finally:
+            run.watchdog.close()
             run.ckpt.close()  # a background write in flight lands, whatever ended the loop
             run.log.close()
         return finish(run, record)
+
+
+def _watchdog(run: Run) -> Watchdog:
+    w = run.world
+    where = Where(w.rank, w.node_rank, repro.hostname(), w.size, w.restart_count, run.run_dir)
+    return Watchdog(where=where, stall_s=run.cfg.dist.stall_s, timeout_s=run.cfg.dist.timeout_s)
+
+
+@contextlib.contextmanager
+def _flight_recorder(cfg: Config, world):
+    """NCCL's flight recorder on for GPU jobs (trainer/diagnostics.py), its dumps under the run
+    folder, or runs/<name>/ while the folder is still to be chosen; the variables are set for
+    the process group's creation and removed after it is gone."""
+    if world.backend != "nccl":
+        yield
+        return
+    added = flight_recorder_env(cfg.run_dir or os.path.join("runs", cfg.name), os.environ)
+    os.environ.update(added)
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)
 
 
 def finished_summary(run: Run) -> dict | None:
@@ -92,7 +126,9 @@ def finished_summary(run: Run) -> dict | None:
 def record_start(run: Run) -> dict:
     """config.yaml and run.json in run_dir (rank 0), the metrics log opened; returns the record
     of where and how the run runs (run.json without its start time)."""
-    record = _run_record(run, hosts=ranks.gather_objects(repro.hostname()))
+    where = ranks.gather_objects((run.world.node_rank, repro.hostname()))
+    run.hosts = where if run.world.is_main else None
+    record = _run_record(run, hosts=[host for _, host in where] if where else None)
     if run.world.is_main:  # only rank 0 writes shared files
         try:
             os.makedirs(run.run_dir, exist_ok=True)
@@ -168,6 +204,7 @@ def finish(run: Run, record: dict) -> dict:
         "skipped_steps": skipped,
         "memory": memory,  # per rank
         "step_split_ms": run.strategy.step_split(run.model),  # rank 0's, where measured (ddp)
+        "ranks": run.stragglers.table(run.hosts) if run.stragglers else None,
         "peak_gpu_memory_gib": (
             torch.cuda.max_memory_allocated(w.device) / 2**30 if w.on_cuda else None
         ),

@@ -102,6 +102,7 @@ RANGES: dict[str, Range] = {
     "ckpt.every_epochs": Range(0, 10**6),
     "ckpt.keep_last": Range(1, 10**6),
     "repro.shards": Range(1, 2**16),
+    "dist.stall_s": Range(0.0, 7 * 24 * 3600.0),
 }
 
 NONEMPTY = frozenset(

@@ -323,12 +323,23 @@ class DistConfig:
     """auto (cuda if available) | cpu | cuda."""
     timeout_s: int = 300
     """Bound on any collective and on process-group setup: a lost peer fails, never hangs."""
+    stall_s: float | None = None
+    """Seconds without a completed training step after which every rank writes its stacks to
+    <run_dir>/diagnostics/, one line names the rank that stalled and where, and the job exits 4
+    (docs/troubleshooting.md, "When a job hangs"). null: 30x the slowest log window's mean step,
+    at least 60 s; always below dist.timeout_s. 0: off. Evaluation and saves are not counted."""
 
     def __post_init__(self) -> None:
         check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp", "fsdp", "dp"))
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
         check_fields(self, "dist.")
+        if self.stall_s and self.stall_s >= self.timeout_s:
+            raise UsageError(
+                f"dist.stall_s={self.stall_s:g} must be below dist.timeout_s={self.timeout_s}: a "
+                "stall is named before a collective's timeout ends the job (lower dist.stall_s, "
+                "or raise dist.timeout_s)"
+            )
 
 
 @dataclass(kw_only=True)

@@ -1,0 +1,220 @@
+"""When a job hangs or crawls (trainer/diagnostics.py): a stalled rank is named with its stack
+within the bound, on the console and in RUN_DIR/diagnostics/, and the job exits 4; a slow rank is
+named within a few log windows; a balanced run names nobody."""
+
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from tests import netns
+from tests.helpers import ROOT, read_jsonl, trainer
+from trainer import cli, config, diagnostics
+from trainer.diagnostics import Frame, Stragglers, activity, stall_bound
+from trainer.errors import UsageError
+
+TRAINER = str(ROOT / "trainer")
+PLUGIN = str(ROOT / "tests" / "stall_plugins.py")
+TORCH = os.path.dirname(torch.__file__)
+STDLIB = os.path.dirname(os.__file__)
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+def test_the_stall_bound():
+    assert stall_bound(5, 300, None) == 5 and stall_bound(0, 300, 0.1) == 0
+    assert stall_bound(None, 300, None) == 270  # no step time yet: 90% of dist.timeout_s
+    assert stall_bound(None, 300, 0.01) == 60  # 30 steps of 10 ms: at least a minute
+    assert stall_bound(None, 300, 5.0) == 150  # 30 steps of 5 s
+    assert stall_bound(None, 300, 60.0) == 270  # below dist.timeout_s, always
+    with pytest.raises(UsageError, match="dist.stall_s=300 must be below dist.timeout_s=300"):
+        config.load(None, ["dist.stall_s=300"])
+
+
+@pytest.mark.parametrize(
+    "frames, kind, where",
+    [
+        (  # a data plug-in sleeping in take()
+            [("cli.py", "main"), ("loop.py", "fit"), ("data.py", "train_batches"),
+             (PLUGIN, "take"), (f"{STDLIB}/threading.py", "wait")],
+            "data loading",
+            "take",
+        ),
+        (  # an all-reduce of the trainer's
+            [("loop.py", "fit"), ("loop.py", "window_mean"), ("ranks.py", "all_reduce_sum")],
+            "waits in all_reduce_sum",
+            "all_reduce_sum",
+        ),
+        (  # DDP reduces gradients in the backward pass
+            [("loop.py", "fit"), ("step.py", "_backward"), (f"{TORCH}/_tensor.py", "backward")],
+            "waits in the backward pass (the gradient all-reduce)",
+            None,
+        ),
+        (  # the user's model, slow or stuck in its forward
+            [("loop.py", "fit"), ("step.py", "_backward"), ("/home/u/mypkg/model.py", "forward")],
+            "compute",
+            "forward",
+        ),
+    ],
+)  # fmt: skip
+def test_where_a_thread_is(frames, kind, where):
+    full = [Frame(f if f.startswith("/") else f"{TRAINER}/{f}", 1, fn) for f, fn in frames]
+    got, at = activity(full)
+    assert got == kind and (at.func if at else None) == where
+
+
+def test_stragglers_need_several_slow_windows_in_a_row_and_are_named_once():
+    rng = random.Random(0)
+    jitter = lambda: rng.uniform(0.6, 1.6)  # noqa: E731  (a noisy 2-core machine's spread)
+    s = Stragglers(4)
+    for _ in range(300):  # balanced: each rank's forward 10 ms x jitter, waits 1 ms x jitter
+        out = s.window([0.01 * jitter() for _ in range(4)], [0.001 * jitter()] * 4, 1, 0.02)
+        assert out == []
+    slow = Stragglers(4)
+    named = []
+    for w in range(10):  # rank 2's forward 3x; rank 3 waits 8 ms a step for its data
+        named += [
+            (w, n.rank, n.kind)
+            for n in slow.window([0.01, 0.01, 0.03, 0.01], [0, 0, 0, 0.008], 1, 0.035)
+        ]
+    assert named == [(4, 2, "compute"), (4, 3, "data")]  # the 5th window in a row
+    rows = slow.table([(0, "a"), (0, "a"), (1, "b"), (1, "b")])
+    assert rows[2]["straggler"] == ["compute"] and rows[2]["host"] == "b"
+    assert rows[2]["forward_ms_per_step"] == pytest.approx(30.0)
+
+
+def test_the_flight_recorder_is_on_for_gpu_jobs_unless_set():
+    env = diagnostics.flight_recorder_env("runs/x", {"TORCH_NCCL_DUMP_ON_TIMEOUT": "0"})
+    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == "runs/x/diagnostics/nccl/trace-rank-"
+    assert "TORCH_NCCL_DUMP_ON_TIMEOUT" not in env  # the user's choice stands
+
+
+def test_diagnose_without_diagnostics_is_one_line(tmp_path, capsys):
+    assert cli.main(["diagnose", str(tmp_path)]) == 2
+    assert "holds no diagnostics/" in capsys.readouterr().err
+
+
+# --- a stalled rank ----------------------------------------------------------------------------
+
+HANG = [
+    "model.hidden=[32]",
+    "dist.stall_s=3",
+    "dist.timeout_s=120",  # without the watchdog, the job would end only after this
+    "log.every_steps=5",
+    "log.progress=plain",
+    "log.tensorboard=false",
+]
+
+
+@pytest.mark.parametrize("plugin, blocked", [("hanging", False), ("hanging_in_c", True)])
+def test_a_stalled_rank_is_named_with_its_stack_and_the_job_exits_4(tmp_path, plugin, blocked):
+    """Rank 1's data plug-in hangs after 30 batches: in Python, or in C holding the GIL (its
+    watchdog cannot run; faulthandler's C thread dumps it). Every rank writes its file, rank 0
+    names rank 1 and its frame, and the job exits 4 long before dist.timeout_s."""
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    p = trainer(
+        "train", f"data.name=tests.stall_plugins:{plugin}", *HANG, f"run_dir={run_dir}",
+        nproc=2, torchrun=False, check=False, timeout=100,
+    )  # fmt: skip
+    took = time.monotonic() - started
+    assert p.returncode == 4, p.stderr[-3000:]
+    assert took < 60, took
+    lines = [line for line in p.stderr.splitlines() if "trainer: error: rank 1 " in line]
+    assert lines, p.stderr[-3000:]
+    line = lines[0]
+    assert "tests/stall_plugins.py" in line and "take" in line and "data loading" in line
+    assert "rank 0 waits in the backward pass" in line and "trainer diagnose" in line
+    assert ("blocked outside Python" in line) == blocked
+    folder = run_dir / "diagnostics" / "restart0-step-30"
+    rank0 = json.loads((folder / "rank-0.txt").read_text().splitlines()[0])
+    assert rank0["step"] == 30 and rank0["last_collective"].startswith("all_reduce #")
+    assert "--- thread MainThread ---" in (folder / "rank-0.txt").read_text()
+    if blocked:  # rank 1's own words are faulthandler's
+        dump = (run_dir / "diagnostics" / ".restart0-rank-1.faulthandler.txt").read_text()
+        assert "stall_plugins.py" in dump and "in take" in dump
+    else:
+        rank1 = (folder / "rank-1.txt").read_text()
+        assert json.loads(rank1.splitlines()[0])["activity"] == "data loading"
+        assert "time.sleep(600)" in rank1
+    out = diagnostics.diagnose(str(run_dir))
+    assert "rank 1" in out and "stall_plugins.py" in out and str(folder) in out
+
+
+# --- slow and balanced ranks ---------------------------------------------------------------------
+
+
+def test_slow_ranks_are_named_within_a_few_log_windows(tmp_path):
+    """Rank 1's forward sleeps 30 ms, rank 0's data 30 ms: each is named after 5 windows."""
+    run_dir = tmp_path / "run"
+    p = trainer(
+        "train", "model.name=tests.stall_plugins:slow_forward", "data.name=tests.stall_plugins:slow_data",
+        "train.max_steps=16", "log.every_steps=2", "log.progress=plain", "log.tensorboard=false",
+        f"run_dir={run_dir}", nproc=2, torchrun=False,
+    )  # fmt: skip
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "straggler"]
+    assert {(r["rank"], r["slow"]) for r in records} == {(1, "compute"), (0, "data")}
+    assert all(r["step"] <= 10 and r["host"] and r["node"] == 0 for r in records), records
+    assert "straggler: rank 1 (node 0, host" in p.stdout and "its forward pass" in p.stdout
+    table = json.loads((run_dir / "summary.json").read_text())["ranks"]
+    assert table[1]["forward_ms_per_step"] > 25 > table[0]["forward_ms_per_step"]
+    assert table[0]["data_wait_ms_per_step"] > 25 > table[1]["data_wait_ms_per_step"]
+    train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(len(r["rank_forward_ms"]) == 2 for r in train)
+
+
+def test_a_balanced_run_names_no_straggler(reference_runs):
+    """The session's reference run on 2 ranks (a record every step: 69 windows), made while the
+    suite's other worker runs jobs of its own: quiet. (The note reports repeated runs.)"""
+    run_dir = reference_runs(2)
+    kinds = [r["kind"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert kinds.count("train") == 69 and "straggler" not in kinds
+    table = json.loads((run_dir / "summary.json").read_text())["ranks"]
+    assert [row["straggler"] for row in table] == [[], []]
+    assert all(row["forward_ms_per_step"] > 0 for row in table)
+
+
+# --- across two nodes, through trainer-launch ----------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.netns
+def test_a_hang_on_the_second_node_is_named_through_trainer_launch(tmp_path):
+    """Two network-namespace "nodes" run the compose two-node services' trainer-launch; rank 1
+    (node 1) hangs: node 0 names it, with its host, and both nodes exit 4."""
+    if reason := netns.unavailable():
+        pytest.skip(reason)
+    import subprocess
+
+    from tests.test_compose import _image_env, compose_config
+
+    args = " ".join(["data.name=tests.stall_plugins:hanging", *HANG[:-1]])
+    services = compose_config("two-node", TRAIN_ARGS=args)["services"]
+    procs, logs = [], []
+    with netns.Network(2, hosts={"node0": 0, "node1": 1}) as net:
+        for i in (0, 1):
+            argv, e = _image_env(services[f"node{i}"], tmp_path, "cpu")
+            logs.append(open(tmp_path / f"node{i}.log", "w"))  # noqa: SIM115
+            kw = dict(env=e, cwd=tmp_path, stdout=logs[-1], stderr=subprocess.STDOUT)
+            procs.append(net.popen(i, argv, **kw))
+        try:
+            codes = [p.wait(timeout=120) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            for f in logs:
+                f.close()
+    out = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
+    assert codes == [4, 4], "\n".join(o[-3000:] for o in out)
+    named = [line for line in out[0].splitlines() if "error: rank 1 (node 1, host" in line]
+    assert named and "stall_plugins.py" in named[-1] and "data loading" in named[-1], out[0][-3000:]
+    run_dir = tmp_path / "runs" / "two-node" / "digits-mlp"
+    assert sorted(p.name for p in (run_dir / "diagnostics").glob("*/rank-*.txt")) == [
+        "rank-0.txt",
+        "rank-1.txt",
+    ]

@@ -1,0 +1,603 @@
+"""When a job hangs or crawls: which rank, where, and why.
+
+Stalls. Each rank runs a watchdog thread. When no step completes for dist.stall_s (outside
+evaluation and checkpoint saves, which collectives bound by dist.timeout_s), every rank writes the
+Python stacks of all its threads, the last collective it entered and where its main thread is to
+RUN_DIR/diagnostics/<restart>-step-<N>/rank-<r>.txt (the runs volume: it outlives the pod); rank 0
+reads the others' files, prints one line naming the rank that stalled and where, e.g.
+
+    rank 1 (node 0, host h) has made no step for 31 s, in mypkg/data.py:12 take (data loading);
+    rank 0 waits in the backward pass (DDP's gradient all-reduce)
+
+and every rank exits with the transient code 4, so restart policies apply. A rank stuck in C
+while holding the GIL cannot run its watchdog: faulthandler's own C thread, armed a little past
+the same bound, dumps its stacks to rank-<r>.faulthandler.txt, which rank 0 reads instead.
+`trainer diagnose RUN_DIR` prints the summary again from the files.
+
+Stragglers. Every log window, each rank's forward time and data wait ride the window's loss
+all-reduce (2 numbers a rank). A rank slower than the others' median by a margin for several
+windows in a row is named once: a console warning, a `straggler` record in metrics.jsonl; the
+per-rank table goes to summary.json and `trainer report` draws it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import json
+import os
+import re
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+FOLDER = "diagnostics"
+TICK_S = 0.5
+"""How often the watchdog looks at the clock."""
+C_MARGIN_S = 2.0
+"""faulthandler's C-level dump fires this long after the watchdog's bound (only if the
+watchdog, a Python thread, could not run: the GIL is held by a call stuck in C)."""
+GATHER_S = 10.0
+"""How long rank 0 waits for the other ranks' files before it writes the summary."""
+AUTO_MIN_S, AUTO_STEPS = 60.0, 30
+"""dist.stall_s=null: 30 times the slowest log window's mean step, and at least 60 s."""
+
+
+def stall_bound(stall_s: float | None, timeout_s: float, slowest_step_s: float | None) -> float:
+    """Seconds without a step that count as a stall (0: never). dist.stall_s if set; else
+    AUTO_STEPS x the slowest mean step seen (at least AUTO_MIN_S), and before any step time is
+    known 90% of dist.timeout_s; always below dist.timeout_s, so the stall is named before a
+    collective's timeout ends the job without a word."""
+    if stall_s == 0:
+        return 0.0
+    cap = 0.9 * timeout_s
+    if stall_s is not None:
+        return min(stall_s, cap)
+    if slowest_step_s is None:
+        return cap
+    return min(max(AUTO_MIN_S, AUTO_STEPS * slowest_step_s), cap)
+
+
+# --- where a thread is --------------------------------------------------------------------------
+
+_TRAINER = os.path.dirname(os.path.abspath(__file__))
+_LIBRARIES = tuple(
+    os.path.dirname(p)
+    for p in {os.__file__, getattr(sys.modules.get("torch"), "__file__", None) or ""}
+    if p
+)
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    func: str
+
+    def __str__(self) -> str:
+        return f"{_short(self.file)}:{self.line} {self.func}"
+
+
+def _short(path: str) -> str:
+    """A path relative to the working directory when under it (mypkg/data.py), else as is."""
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return path if rel.startswith("..") else rel
+
+
+def frames_of(frame) -> list[Frame]:
+    """A thread's frames, outermost first."""
+    return [Frame(f.filename, f.lineno or 0, f.name) for f in traceback.extract_stack(frame)]
+
+
+def _in_trainer(f: Frame, *names: str) -> bool:
+    return f.file.startswith(_TRAINER) and (not names or os.path.basename(f.file) in names)
+
+
+def activity(frames: list[Frame]) -> tuple[str, Frame | None]:
+    """(what the thread is doing, the frame that says where) from its frames, outermost first.
+
+    waiting: a collective of the trainer's (ranks.py) or the backward pass (DDP and FSDP reduce
+    gradients there); else data loading, checkpoint, evaluation or compute. The frame is the
+    innermost one of the user's code (not the trainer, torch or the standard library), else the
+    innermost of the trainer's.
+    """
+    if not frames:
+        return "unknown", None
+    own = [f for f in frames if not f.file.startswith((_TRAINER, "<", *_LIBRARIES))]
+    mine = [f for f in frames if _in_trainer(f)]
+    where = own[-1] if own else (mine[-1] if mine else frames[-1])
+    names = [f.func for f in frames]
+    collective = next((f for f in reversed(mine) if _in_trainer(f, "ranks.py")), None)
+    if collective is not None:
+        return f"waits in {collective.func}", collective
+    if "backward" in names and any(_in_trainer(f, "step.py") for f in frames):
+        return "waits in the backward pass (the gradient all-reduce)", own[-1] if own else None
+    kind = "compute"
+    if any(_in_trainer(f, "data.py") for f in frames):
+        kind = "data loading"
+    elif any(_in_trainer(f) and "checkpoint" in f.file for f in frames):
+        kind = "checkpoint"
+    elif any(_in_trainer(f, "evaluate.py") for f in frames):
+        kind = "evaluation"
+    return kind, where
+
+
+def is_waiting(kind: str) -> bool:
+    return kind.startswith("waits in")
+
+
+# --- the last collective -------------------------------------------------------------------------
+
+
+class Collectives:
+    """The last collective this rank entered: its name and a sequence number (per process)."""
+
+    name: str | None = None
+    seq: int = 0
+
+    @classmethod
+    def enter(cls, name: str) -> None:
+        cls.name, cls.seq = name, cls.seq + 1
+
+    @classmethod
+    def last(cls) -> str:
+        return f"{cls.name} #{cls.seq}" if cls.name else "none yet"
+
+
+# --- the watchdog --------------------------------------------------------------------------------
+
+
+@dataclass
+class Where:
+    """Who this rank is, for the files and the line."""
+
+    rank: int
+    node: int
+    host: str
+    world_size: int
+    restart: int
+    run_dir: str
+
+
+@dataclass
+class Watchdog:
+    """Names a stall: see the module docstring. `beat(step)` after every step (two stores);
+    `paused()` around evaluation and saves; `observe(mean_step_s)` at each log window."""
+
+    where: Where
+    stall_s: float | None
+    timeout_s: float
+    log: object = None
+    exit: object = os._exit
+    """What ends the process after a stall (tests replace it)."""
+    step: int = 0
+    at: float = field(default_factory=time.monotonic)
+    slowest_step_s: float | None = None
+    pause_depth: int = 0
+    fired: bool = False
+    _thread: threading.Thread | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _c_file: object = None
+
+    def beat(self, step: int) -> None:
+        self.step, self.at = step, time.monotonic()
+
+    def observe(self, mean_step_s: float) -> None:
+        if self.slowest_step_s is None or mean_step_s > self.slowest_step_s:
+            self.slowest_step_s = mean_step_s
+
+    @property
+    def bound(self) -> float:
+        if self.pause_depth:  # evaluation, a save: their collectives are bounded by timeout_s
+            return 0.0
+        return stall_bound(self.stall_s, self.timeout_s, self.slowest_step_s)
+
+    @contextlib.contextmanager
+    def paused(self):
+        self.pause_depth += 1
+        try:
+            yield
+        finally:
+            self.pause_depth -= 1
+            self.at = time.monotonic()
+
+    def start(self) -> Watchdog:
+        if stall_bound(self.stall_s, self.timeout_s, None) == 0:
+            return self
+        self.at = time.monotonic()
+        self._arm_c_dump(self.bound + C_MARGIN_S)  # now: the first tick may come too late
+        self._thread = threading.Thread(target=self._watch, name="trainer-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def wait_if_firing(self) -> None:
+        """On the main thread, when a collective failed: if the watchdog is naming a stall
+        (another rank's exit closed the connection), let it finish; it ends the process."""
+        if self.fired and self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._c_file is not None:
+            faulthandler.cancel_dump_traceback_later()
+            path = self._c_file.name
+            self._c_file.close()
+            with contextlib.suppress(OSError):
+                if os.path.getsize(path) == 0:
+                    os.remove(path)  # nothing was dumped: leave no empty file
+
+    def _watch(self) -> None:
+        while not self._stop.wait(TICK_S):
+            bound = self.bound
+            if not bound:
+                if self._c_file is not None:
+                    faulthandler.cancel_dump_traceback_later()
+                continue
+            quiet = time.monotonic() - self.at
+            if quiet >= bound:
+                self.fire(quiet, bound)
+                return
+            self._arm_c_dump(bound - quiet + C_MARGIN_S)
+
+    def _arm_c_dump(self, seconds: float) -> None:
+        """faulthandler's C thread dumps every thread's stack in `seconds`, unless re-armed:
+        a last word from a rank whose Python threads cannot run."""
+        try:
+            if self._c_file is None:
+                folder = os.path.join(self.where.run_dir, FOLDER)
+                os.makedirs(folder, exist_ok=True)
+                name = f".restart{self.where.restart}-rank-{self.where.rank}.faulthandler.txt"
+                self._c_file = open(os.path.join(folder, name), "w")  # noqa: SIM115
+            faulthandler.dump_traceback_later(seconds, file=self._c_file)
+        except (OSError, ValueError):
+            pass  # diagnostics never stop a run
+
+    def fire(self, quiet: float, bound: float) -> None:
+        """The stall: this rank's file, rank 0's summary line, exit 4 (the transient code)."""
+        from trainer.errors import ExitCode, record_exit, record_message
+
+        self.fired = True
+        faulthandler.cancel_dump_traceback_later()
+        if self._c_file is not None:  # this rank's Python ran: its file below says more
+            self._c_file.close()
+            with contextlib.suppress(OSError):
+                os.remove(self._c_file.name)
+            self._c_file = None
+        folder = self.dump(f"no step for {quiet:.0f} s (dist.stall_s bound {bound:.0f} s)", quiet)
+        if self.where.rank == 0 and folder:
+            line = summarize(folder, wait_s=GATHER_S)
+        else:
+            line = (
+                f"rank {self.where.rank}: no step for {quiet:.0f} s; stacks in "
+                f"{folder or 'nowhere (run_dir not writable)'}"
+            )
+            if folder:  # rank 0 reads this rank's file: stay (connected) until it has
+                deadline = time.monotonic() + GATHER_S + 2
+                summary = os.path.join(folder, "summary.txt")
+                while not os.path.exists(summary) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+        text = f"trainer: error: {line} (exit 4: a restart may clear it; `trainer diagnose "
+        text += f"{self.where.run_dir}` says it again)"
+        print(text, file=sys.stderr, flush=True)
+        record_message(text)
+        record_exit(ExitCode.RETRYABLE)
+        sys.stdout.flush()
+        self.exit(int(ExitCode.RETRYABLE))
+
+    def dump(self, why: str, quiet: float | None = None) -> str | None:
+        """Write this rank's stacks and facts; the folder (None if it cannot be written)."""
+        main = threading.main_thread()
+        frames = sys._current_frames()
+        kind, at = activity(frames_of(frames[main.ident])) if main.ident in frames else ("?", None)
+        w = self.where
+        header = {
+            "rank": w.rank,
+            "node": w.node,
+            "host": w.host,
+            "pid": os.getpid(),
+            "world_size": w.world_size,
+            "restart": w.restart,
+            "step": self.step,
+            "quiet_s": round(quiet if quiet is not None else time.monotonic() - self.at, 1),
+            "why": why,
+            "activity": kind,
+            "where": str(at) if at else None,
+            "last_collective": Collectives.last(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        names = {t.ident: t.name for t in threading.enumerate()}
+        stacks = []
+        for ident, frame in frames.items():
+            stacks.append(f"\n--- thread {names.get(ident, ident)} ---\n")
+            stacks.append("".join(traceback.format_stack(frame)))
+        folder = os.path.join(w.run_dir, FOLDER, f"restart{w.restart}-step-{self.step}")
+        try:
+            os.makedirs(folder, exist_ok=True)
+            path = os.path.join(folder, f"rank-{w.rank}.txt")
+            with open(path + ".tmp", "w", encoding="utf-8") as f:
+                f.write(json.dumps(header) + "\n" + "".join(stacks))
+            os.replace(path + ".tmp", path)
+        except OSError:
+            return None
+        return folder
+
+
+# --- reading the files back -----------------------------------------------------------------------
+
+
+def read_rank_files(folder: str) -> dict[int, dict]:
+    """{rank: header} from rank-<r>.txt (the first line: JSON), plus ranks known only from a
+    faulthandler dump beside the folder (activity 'blocked outside Python')."""
+    found: dict[int, dict] = {}
+    for name in sorted(os.listdir(folder)):
+        m = re.fullmatch(r"rank-(\d+)\.txt", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                header = json.loads(f.readline())
+        except (OSError, ValueError):
+            continue
+        if isinstance(header, dict):
+            found[int(m.group(1))] = header
+    restart = re.match(r"restart(\d+)-", os.path.basename(folder))
+    parent = os.path.dirname(folder)
+    for name in sorted(os.listdir(parent)):
+        m = re.fullmatch(r"\.restart(\d+)-rank-(\d+)\.faulthandler\.txt", name)
+        if not m or (restart and m.group(1) != restart.group(1)) or int(m.group(2)) in found:
+            continue
+        with contextlib.suppress(OSError):
+            with open(os.path.join(parent, name), encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            if text.strip():
+                found[int(m.group(2))] = from_faulthandler(text)
+    return found
+
+
+_FH_FRAME = re.compile(r'^\s+File "([^"]+)", line (\d+) in (\S+)', re.M)
+
+
+def from_faulthandler(text: str) -> dict:
+    """A header from faulthandler's dump: the main thread's innermost frame of the user's code
+    (its frames are listed innermost first, the main thread's block is the last)."""
+    blocks = re.split(r"\n(?=Thread 0x|Current thread 0x)", text.strip())
+    main = blocks[-1] if blocks else text
+    frames = [Frame(m.group(1), int(m.group(2)), m.group(3)) for m in _FH_FRAME.finditer(main)]
+    kind, at = activity(list(reversed(frames)))
+    if not is_waiting(kind):
+        kind = f"blocked outside Python in {kind}"
+    return {"activity": kind, "where": str(at) if at else None, "faulthandler": True}
+
+
+def describe(rank: int, h: dict) -> str:
+    where = f", in {h['where']}" if h.get("where") else ""
+    if is_waiting(h.get("activity", "")):
+        return f"rank {rank} {h['activity']}{where} (last collective {h.get('last_collective')})"
+    who = f"rank {rank}"
+    if "node" in h:
+        who += f" (node {h['node']}, host {h.get('host')})"
+    quiet = f" has made no step for {h['quiet_s']:.0f} s" if "quiet_s" in h else " stalled"
+    return f"{who}{quiet}{where} ({h.get('activity')})"
+
+
+def summarize(folder: str, wait_s: float = 0.0, world_size: int | None = None) -> str:
+    """One line naming who stalled where, from the rank files in `folder` (waiting up to wait_s
+    for every rank's); also written to folder/summary.txt."""
+    deadline = time.monotonic() + wait_s
+    ranks = read_rank_files(folder)
+    size = world_size or max((h.get("world_size", 1) for h in ranks.values()), default=1)
+    while len(ranks) < size and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ranks = read_rank_files(folder)
+    stalled = [r for r, h in sorted(ranks.items()) if not is_waiting(h.get("activity", ""))]
+    waiting = [r for r in sorted(ranks) if r not in stalled]
+    if stalled:
+        parts = [describe(r, ranks[r]) for r in stalled] + [describe(r, ranks[r]) for r in waiting]
+    else:  # everyone waits: in different collectives, or in the same one for a rank gone quiet
+        parts = [describe(r, ranks[r]) for r in waiting]
+        collectives = {ranks[r].get("last_collective") for r in waiting}
+        if len(collectives) > 1:
+            parts.insert(0, "the ranks wait in different collectives")
+    missing = sorted(set(range(size)) - set(ranks))
+    if missing:
+        shown = ", ".join(map(str, missing[:8])) + (" ..." if len(missing) > 8 else "")
+        parts.append(
+            f"no file from rank(s) {shown} within {wait_s:.0f} s (another node whose run_dir is "
+            "not shared, or a rank that died)"
+        )
+    line = "; ".join(parts) if parts else "no rank wrote a diagnostics file"
+    with (
+        contextlib.suppress(OSError),
+        open(os.path.join(folder, "summary.txt"), "w", encoding="utf-8") as f,
+    ):
+        f.write(line + "\n")
+    return line
+
+
+def newest(run_dir: str) -> str | None:
+    """The newest diagnostics folder of a run directory (by its files' times)."""
+    root = os.path.join(run_dir, FOLDER)
+    try:
+        names = [n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n))]
+    except OSError:
+        return None
+    if not names:
+        return None
+    return max((os.path.join(root, n) for n in names), key=os.path.getmtime)
+
+
+def diagnose(run_dir: str) -> str:
+    """`trainer diagnose RUN_DIR`: the summary and each rank's innermost frames, from the files."""
+    from trainer.errors import UsageError
+
+    folder = newest(run_dir)
+    if folder is None:
+        raise UsageError(
+            f"trainer diagnose: {run_dir} holds no diagnostics/ (none is written unless a rank "
+            "stalled or a collective failed): give the run folder of the job that hung"
+        )
+    lines = [f"{folder}:", summarize(folder)]
+    for rank, h in sorted(read_rank_files(folder).items()):
+        path = os.path.join(folder, f"rank-{rank}.txt")
+        at = f" at {h['where']}" if h.get("where") else ""
+        lines.append(f"  rank {rank}: {h.get('activity')}{at}  ({path})")
+    return "\n".join(lines)
+
+
+# --- the NCCL flight recorder ------------------------------------------------------------------
+
+
+def flight_recorder_env(run_dir: str, environ) -> dict[str, str]:
+    """NCCL's flight recorder, on for GPU jobs unless the user set its variables: a ring of the
+    last 2,000 collectives per rank, dumped on a timeout to run_dir/diagnostics/nccl/ (torch
+    appends the rank). torch 2.14 reads TORCH_FR_* and the older TORCH_NCCL_* names."""
+    prefix = os.path.join(run_dir, FOLDER, "nccl", "trace-rank-")
+    wanted = {
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        "TORCH_FR_DUMP_TEMP_FILE": prefix,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": prefix,
+    }
+    return {k: v for k, v in wanted.items() if k not in environ}
+
+
+# --- stragglers ----------------------------------------------------------------------------------
+
+SLOW_RATIO = 1.5
+"""A rank's forward time this many times the others' median..."""
+SLOW_SHARE = 0.2
+"""...and slower by this share of the step (so a fast model's jitter is not a straggler)."""
+SLOW_WINDOWS = 5
+"""For this many log windows in a row (a process the OS set aside for a window is not one)."""
+
+
+@dataclass
+class Straggler:
+    rank: int
+    kind: str
+    """compute | data"""
+    mine_ms: float
+    others_ms: float
+    step_ms: float
+
+
+@dataclass
+class Stragglers:
+    """Per-rank forward time and data wait per step, window by window; names a rank once it is
+    slow for SLOW_WINDOWS windows in a row. Pure: the numbers come in, warnings go out."""
+
+    world_size: int
+    streak: dict = field(default_factory=dict)
+    named: set = field(default_factory=set)
+    compute_s: list = field(default_factory=list)
+    wait_s: list = field(default_factory=list)
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.compute_s = [0.0] * self.world_size
+        self.wait_s = [0.0] * self.world_size
+
+    def window(self, compute: list[float], wait: list[float], steps: int, elapsed: float):
+        """One window's per-rank seconds of forward and of data wait over `steps` steps that
+        took `elapsed` s; the stragglers named for the first time."""
+        if not steps:
+            return []
+        self.steps += steps
+        for r in range(self.world_size):
+            self.compute_s[r] += compute[r]
+            self.wait_s[r] += wait[r]
+        step = elapsed / steps
+        new = []
+        for kind, values in (("compute", compute), ("data", wait)):
+            per_step = [v / steps for v in values]
+            for r in range(self.world_size):
+                others = per_step[:r] + per_step[r + 1 :]
+                if not others:
+                    continue
+                med = _median(others)
+                slow = per_step[r] - med > SLOW_SHARE * step and (
+                    kind == "data" or per_step[r] > SLOW_RATIO * med
+                )
+                key = (r, kind)
+                self.streak[key] = self.streak.get(key, 0) + 1 if slow else 0
+                if self.streak[key] >= SLOW_WINDOWS and key not in self.named:
+                    self.named.add(key)
+                    new.append(Straggler(r, kind, 1e3 * per_step[r], 1e3 * med, 1e3 * step))
+        return new
+
+    def table(self, hosts: list | None = None) -> list[dict]:
+        """summary.json's per-rank rows: mean forward and data-wait milliseconds per step."""
+        n = max(self.steps, 1)
+        rows = []
+        for r in range(self.world_size):
+            row = {
+                "rank": r,
+                "forward_ms_per_step": 1e3 * self.compute_s[r] / n,
+                "data_wait_ms_per_step": 1e3 * self.wait_s[r] / n,
+                "straggler": sorted(k for rr, k in self.named if rr == r),
+            }
+            if hosts and r < len(hosts) and hosts[r]:
+                row["node"], row["host"] = hosts[r]
+            rows.append(row)
+        return rows
+
+
+def _median(values: list[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+
+
+def straggler_line(s: Straggler, hosts: list | None) -> str:
+    where = ""
+    if hosts and s.rank < len(hosts) and hosts[s.rank]:
+        node, host = hosts[s.rank]
+        where = f" (node {node}, host {host})"
+    what = "its forward pass" if s.kind == "compute" else "waiting for its data"
+    return (
+        f"straggler: rank {s.rank}{where} has been slow for {SLOW_WINDOWS} log windows: "
+        f"{what} takes {s.mine_ms:.1f} ms a step against the others' median {s.others_ms:.1f} "
+        f"ms (a step takes {s.step_ms:.1f} ms; every rank waits for it)"
+    )
+
+
+class ForwardTimer:
+    """Seconds of forward passes since the last take(): perf_counter on a CPU; CUDA events on a
+    GPU, whose kernels run after the Python call returns (read at a log window, long done)."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda")
+        self.total = 0.0
+        self.pairs: list = []
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            import torch
+
+            self.pairs.append([torch.cuda.Event(enable_timing=True), None])
+            self.pairs[-1][0].record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            import torch
+
+            self.pairs[-1][1] = torch.cuda.Event(enable_timing=True)
+            self.pairs[-1][1].record()
+        else:
+            self.total += time.perf_counter() - self._t0
+
+    def take(self) -> float:
+        total, self.total = self.total, 0.0
+        if self.pairs:
+            self.pairs[-1][1].synchronize()
+            total += sum(a.elapsed_time(b) for a, b in self.pairs if b is not None) / 1e3
+            self.pairs = []
+        return total
