@@ -165,6 +165,13 @@ def test_slow_ranks_are_named_within_a_few_log_windows(tmp_path):
     assert table[0]["data_wait_ms_per_step"] > 25 > table[1]["data_wait_ms_per_step"]
     train = [r for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert all(len(r["rank_forward_ms"]) == 2 for r in train)
+    # trainer report draws the per-rank panel and tables it
+    from trainer.report import write_report
+
+    paths = write_report([str(run_dir)], str(tmp_path / "report"), note=lambda _: None)
+    assert any(p.endswith("ranks.png") for p in paths)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "| 1 | 0 |" in md and "| compute |" in md and "| data |" in md
 
 
 def test_a_balanced_run_names_no_straggler(reference_runs):

@@ -279,7 +279,63 @@ def figures(runs: list[Run]) -> dict[str, object]:
     for key in eval_keys(runs):
         name = key.removeprefix("eval.")
         draw(key, "eval", f"Eval {name} (test split)", name)
+    if panel := rank_panel(runs):
+        out["ranks.png"] = panel
     return out
+
+
+def rank_tables(runs: list[Run]) -> list[tuple[Run, list[dict]]]:
+    """(run, summary.json's per-rank rows) for the runs of more than one rank that have them."""
+    found = []
+    for run in runs:
+        rows = (run.summary or {}).get("ranks")
+        if isinstance(rows, list) and len(rows) > 1 and all(isinstance(r, dict) for r in rows):
+            found.append((run, rows))
+    return found
+
+
+def rank_panel(runs: list[Run]):
+    """Per rank, mean forward and data-wait milliseconds a step, one panel per run; a rank named
+    a straggler has its bar outlined in red and labelled. None if no run has several ranks."""
+    from matplotlib.figure import Figure
+
+    tables = rank_tables(runs)
+    if not tables:
+        return None
+    fig = Figure(figsize=(FIGSIZE[0], 2.6 * len(tables) + 0.6), dpi=DPI, layout="constrained")
+    axes = fig.subplots(len(tables), 1, squeeze=False)[:, 0]
+    for ax, (run, rows) in zip(axes, tables, strict=True):
+        ranks = [r.get("rank", i) for i, r in enumerate(rows)]
+        fwd = [float(r.get("forward_ms_per_step") or 0) for r in rows]
+        wait = [float(r.get("data_wait_ms_per_step") or 0) for r in rows]
+        x = range(len(rows))
+        bars = {
+            "compute": ax.bar([i - 0.2 for i in x], fwd, 0.4, label="forward"),
+            "data": ax.bar([i + 0.2 for i in x], wait, 0.4, label="data wait"),
+        }
+        ax.legend(loc="upper left", fontsize="small")  # before the outlines: plain swatches
+        for i, r in enumerate(rows):
+            for kind in r.get("straggler") or []:
+                bar = bars[kind][i] if kind in bars else None
+                if bar is None:
+                    continue
+                bar.set_edgecolor("red")
+                bar.set_linewidth(2)
+                ax.annotate(
+                    f"straggler ({kind})",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    color="red",
+                    fontsize="small",
+                )
+        ax.set_ylim(0, 1.25 * max([*fwd, *wait, 1e-3]))
+        ax.set_xticks(list(x), [str(r) for r in ranks])
+        ax.set_xlabel("rank")
+        ax.set_ylabel("ms per step")
+        ax.set_title(f"Per rank: {run.label}")
+        ax.grid(True, axis="y", alpha=0.3)
+    return fig
 
 
 def _fmt(v: float | None, digits: int = 4) -> str:
@@ -340,6 +396,22 @@ def markdown(runs: list[Run], images: list[str]) -> str:
         "",
         *(f"- {run.label}: `{run.path}`" for run in runs),
     ]
+    for run, rows in rank_tables(runs):
+        lines += [
+            "",
+            f"Per rank, {run.label} (mean ms a step; a straggler is slow for several windows):",
+            "",
+            "| rank | node | host | forward | data wait | straggler |",
+            "| ---: | ---: | --- | ---: | ---: | --- |",
+        ]
+        for r in rows:
+            cells = [r.get("rank"), r.get("node", "–"), r.get("host", "–")]
+            cells += [
+                _fmt(r.get("forward_ms_per_step"), 3),
+                _fmt(r.get("data_wait_ms_per_step"), 3),
+            ]
+            cells.append(", ".join(r.get("straggler") or []) or "–")
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     notes = [n for run in runs for n in run.notes]
     if notes:
         lines += ["", "Notes:", "", *(f"- {n.removeprefix('note: ')}" for n in notes)]
