@@ -492,42 +492,42 @@ class Stragglers:
     slow for SLOW_WINDOWS windows in a row. Pure: the numbers come in, warnings go out."""
 
     world_size: int
-    streak: dict = field(default_factory=dict)
     named: set = field(default_factory=set)
-    compute_s: list = field(default_factory=list)
-    wait_s: list = field(default_factory=list)
     steps: int = 0
 
     def __post_init__(self) -> None:
-        self.compute_s = [0.0] * self.world_size
-        self.wait_s = [0.0] * self.world_size
+        import numpy as np
+
+        w = self.world_size
+        self.totals = {"compute": np.zeros(w), "data": np.zeros(w)}
+        self.streak = {"compute": np.zeros(w, dtype=np.int64), "data": np.zeros(w, dtype=np.int64)}
 
     def window(self, compute: list[float], wait: list[float], steps: int, elapsed: float):
         """One window's per-rank seconds of forward and of data wait over `steps` steps that
         took `elapsed` s; the stragglers named for the first time."""
+        import numpy as np
+
         if not steps:
             return []
         self.steps += steps
-        for r in range(self.world_size):
-            self.compute_s[r] += compute[r]
-            self.wait_s[r] += wait[r]
         step = elapsed / steps
         new = []
         for kind, values in (("compute", compute), ("data", wait)):
-            per_step = [v / steps for v in values]
-            for r in range(self.world_size):
-                others = per_step[:r] + per_step[r + 1 :]
-                if not others:
-                    continue
-                med = _median(others)
-                slow = per_step[r] - med > SLOW_SHARE * step and (
-                    kind == "data" or per_step[r] > SLOW_RATIO * med
-                )
-                key = (r, kind)
-                self.streak[key] = self.streak.get(key, 0) + 1 if slow else 0
-                if self.streak[key] >= SLOW_WINDOWS and key not in self.named:
-                    self.named.add(key)
-                    new.append(Straggler(r, kind, 1e3 * per_step[r], 1e3 * med, 1e3 * step))
+            seconds = np.asarray(values, dtype=np.float64)
+            self.totals[kind] += seconds
+            if self.world_size < 2:
+                continue
+            per_step = seconds / steps
+            med = _others_median(per_step)
+            slow = per_step - med > SLOW_SHARE * step
+            if kind == "compute":
+                slow &= per_step > SLOW_RATIO * med
+            streak = self.streak[kind]
+            streak[:] = np.where(slow, streak + 1, 0)
+            for r in np.flatnonzero(streak >= SLOW_WINDOWS):
+                if (int(r), kind) not in self.named:
+                    self.named.add((int(r), kind))
+                    new.append(Straggler(int(r), kind, 1e3 * per_step[r], 1e3 * med[r], 1e3 * step))
         return new
 
     def table(self, hosts: list | None = None) -> list[dict]:
@@ -537,8 +537,8 @@ class Stragglers:
         for r in range(self.world_size):
             row = {
                 "rank": r,
-                "forward_ms_per_step": 1e3 * self.compute_s[r] / n,
-                "data_wait_ms_per_step": 1e3 * self.wait_s[r] / n,
+                "forward_ms_per_step": 1e3 * float(self.totals["compute"][r]) / n,
+                "data_wait_ms_per_step": 1e3 * float(self.totals["data"][r]) / n,
                 "straggler": sorted(k for rr, k in self.named if rr == r),
             }
             if hosts and r < len(hosts) and hosts[r]:
@@ -547,10 +547,21 @@ class Stragglers:
         return rows
 
 
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
+def _others_median(values):
+    """For each rank, the median of the other ranks' values (of all of them from 8 ranks on,
+    where one rank barely moves it)."""
+    import numpy as np
+
+    n = len(values)
+    if n >= 8:
+        return np.full(n, float(np.median(values)))
+    plain = values.tolist()
+    out = []
+    for r in range(n):  # a few ranks: plain Python beats numpy's per-call cost
+        rest = sorted(plain[:r] + plain[r + 1 :])
+        mid = len(rest) // 2
+        out.append(rest[mid] if len(rest) % 2 else (rest[mid - 1] + rest[mid]) / 2)
+    return np.array(out)
 
 
 def straggler_line(s: Straggler, hosts: list | None) -> str:

@@ -12,6 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from trainer import data, perf, ranks
@@ -363,16 +364,16 @@ class LossSums:
         `proposal`s rounded up, the sum of their integer `flag`s, whether any rank asked for a
         `save`, and every rank's pair of numbers `mine` (its own slots, zeros elsewhere: an
         exact sum), all in one collective; starts a new window."""
-        extra = self.window.new_zeros(3 + 2 * self.world_size)
-        extra[0], extra[1], extra[2] = float(proposal), float(flag), float(save)
-        extra[3 + rank], extra[3 + self.world_size + rank] = mine
+        w = self.world_size
+        values = np.zeros(3 + 2 * w)  # numpy: filling a few slots costs no tensor op each
+        values[[0, 1, 2, 3 + rank, 3 + w + rank]] = (proposal, flag, save, *mine)
+        extra = torch.from_numpy(values).to(self.window.device)
         loss, proposals, flags, saves, *per_rank = ranks.all_reduce_sum(
             torch.cat([self.window[None], extra])
         ).tolist()
         self.window.zero_()
         mean = loss / self.window_steps
         self.window_steps = self.window_samples = 0
-        w = self.world_size
         firsts, seconds = per_rank[:w], per_rank[w:]
         return mean, math.ceil(proposals / w), int(flags), saves > 0, (firsts, seconds)
 
