@@ -235,6 +235,17 @@ JOBSET_ACTIONS = {
 }
 
 
+JOB_FAILURE_REASONS = {
+    "BackoffLimitExceeded",
+    "DeadlineExceeded",
+    "FailedIndexes",
+    "MaxFailedIndexesExceeded",
+    "PodFailurePolicy",
+}
+"""The Job failure reasons JobSet's webhook accepts in onJobFailureReasons (validOnJobFailureReasons
+in pkg/webhooks/jobset_webhook.go; not in the CRD's schema)."""
+
+
 def pod_failure_action(job: dict, container: str, failure) -> tuple[str, int | None]:
     """The Job controller's podFailurePolicy: the first matching rule's action (else Count) and
     the index of that rule (pkg/controller/job/pod_failure_policy.go)."""
@@ -272,8 +283,10 @@ def job_failure(job: dict, container: str, failure) -> tuple[str, str] | None:
     return None
 
 
-def jobset_action(jobset: dict, reason: str, message: str) -> str:
-    """The JobSet controller's failurePolicy: the first rule matching reason and message."""
+def jobset_rule(jobset: dict, reason: str, message: str) -> dict | None:
+    """The JobSet controller's failurePolicy: the first rule whose reasons hold the child Job's
+    failure reason and one of whose patterns matches its message (an empty list matches anything;
+    pkg/controllers/failure_policy.go, ruleIsApplicable), or None."""
     for rule in jobset["spec"].get("failurePolicy", {}).get("rules", []):
         reasons, patterns = (
             rule.get("onJobFailureReasons", []),
@@ -282,8 +295,14 @@ def jobset_action(jobset: dict, reason: str, message: str) -> str:
         if (not reasons or reason in reasons) and (
             not patterns or any(re.search(p, message) for p in patterns)
         ):
-            return rule["action"]
-    return "RestartJobSet"
+            return rule
+    return None
+
+
+def jobset_action(jobset: dict, reason: str, message: str) -> str:
+    """The action JobSet takes: the matching rule's, else its default, RestartJobSet."""
+    rule = jobset_rule(jobset, reason, message)
+    return rule["action"] if rule else "RestartJobSet"
 
 
 def test_every_exit_code_has_a_decided_action():
@@ -316,6 +335,47 @@ def test_jobset_restarts_the_whole_group_except_after_a_config_error():
         assert jobset_action(jobset, *failed) == want, failure
     # A 2x code (20-29) is not a config error.
     assert jobset_action(jobset, *job_failure(job, container, 25)) == "RestartJobSet"
+
+
+@needs_crds
+def test_jobset_failure_rules_are_explicit_valid_and_each_one_is_used():
+    """Every trainer failure meets a rule of its own kind (none falls through to JobSet's default),
+    every rule is met by some failure, and each rule passes what the JobSet API checks: the CRD's
+    schema (the action's enum), the name's pattern that the CRD states (the webhook enforces it,
+    pkg/webhooks/jobset_webhook.go), unique names, reasons the webhook accepts."""
+    jobset = kube.one(kube.render("jobset"), "JobSet")
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    job, container = rjob["template"]["spec"], kube.pods(kube.render("jobset"))[0].container["name"]
+    rules = jobset["spec"]["failurePolicy"]["rules"]
+    used = {}
+    for failure in JOBSET_ACTIONS:
+        rule = jobset_rule(jobset, *job_failure(job, container, failure))
+        assert rule is not None, f"{failure}: no rule of its own, JobSet's default decides"
+        used.setdefault(rule["name"], []).append(failure)
+    assert set(used) == {r["name"] for r in rules}, f"rules no failure reaches: {used}"
+    # The preemption rule and the transient rule are different rules, counted differently.
+    preempted = jobset_rule(jobset, *job_failure(job, container, ExitCode.PREEMPTED))
+    transient = jobset_rule(jobset, *job_failure(job, container, ExitCode.RETRYABLE))
+    assert preempted["name"] != transient["name"]
+    assert jobset_rule(jobset, *job_failure(job, container, "DisruptionTarget")) is preempted
+
+    schema = kube.crd_schema(jobset)["properties"]["spec"]["properties"]["failurePolicy"]
+    rule_schema = schema["properties"]["rules"]["items"]
+    name_pattern = re.search(
+        r'must match the regular expression "([^"]+)"',
+        rule_schema["properties"]["name"]["description"],
+    ).group(1)
+    assert len({r["name"] for r in rules}) == len(rules)
+    for rule in rules:
+        assert re.fullmatch(name_pattern, rule["name"]) and len(rule["name"]) <= 128, rule["name"]
+        assert rule["action"] in rule_schema["properties"]["action"]["enum"]
+        assert set(rule.get("onJobFailureReasons", [])) <= JOB_FAILURE_REASONS, rule
+        for pattern in rule.get("onJobFailureMessagePatterns", []):
+            re.compile(pattern)
+    assert kube.validate_crd_object(jobset) == []
+    # The default stays Recreate (components/in-place-restart is the opt-in).
+    assert jobset["spec"]["failurePolicy"]["restartStrategy"] == "Recreate"
+    assert "Recreate" in schema["properties"]["restartStrategy"]["enum"]
 
 
 # --- the environment trainer-launch gets -------------------------------------------------------
