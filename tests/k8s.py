@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import hashlib
 import math
 import os
 import re
@@ -34,6 +35,8 @@ K8S = ROOT / "k8s"
 OVERLAYS = sorted(
     p.name for p in (K8S / "overlays").iterdir() if (p / "kustomization.yaml").exists()
 )
+COMPONENTS_DIR = K8S / "components"
+COMPONENTS = sorted(p.name for p in COMPONENTS_DIR.iterdir() if (p / "kustomization.yaml").exists())
 CRDS = ROOT.parent / "shared" / "schemas" / "crds"
 KUBERNETES_VERSION = "1.37"  # the newest schemas kubernetes-validate 1.37.0 ships
 
@@ -63,6 +66,26 @@ def render(overlay: str | Path) -> list[dict]:
     """The objects `kubectl apply -k` would send (a fresh copy each call: mutate freely)."""
     path = Path(overlay) if Path(overlay).is_absolute() else K8S / "overlays" / str(overlay)
     return [copy.deepcopy(o) for o in yaml.safe_load_all(_render_text(str(path))) if o]
+
+
+def render_with(folder: Path, overlay: str | Path, components=(), **fields) -> list[dict]:
+    """What a user's own kustomization renders: `resources: [overlay]`, `components:` from
+    k8s/components, and any other kustomization fields (patches, images, ...). It is written under
+    `folder`, in a subfolder named by its content (render's cache is by path)."""
+    overlay = Path(overlay) if Path(overlay).is_absolute() else K8S / "overlays" / str(overlay)
+    paths = [overlay, *(COMPONENTS_DIR / c for c in components)]
+    here = folder / hashlib.sha1(repr((paths, fields)).encode()).hexdigest()[:12]
+    here.mkdir(parents=True, exist_ok=True)
+    rel = [os.path.relpath(p, here) for p in paths]  # kustomize takes no absolute paths
+    kustomization = {
+        "apiVersion": "kustomize.config.k8s.io/v1beta1",
+        "kind": "Kustomization",
+        "resources": rel[:1],
+        **({"components": rel[1:]} if components else {}),
+        **fields,
+    }
+    (here / "kustomization.yaml").write_text(yaml.safe_dump(kustomization, sort_keys=False))
+    return render(here)
 
 
 def one(objs: list[dict], kind: str) -> dict:

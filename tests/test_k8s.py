@@ -94,19 +94,25 @@ def _memory(q: str) -> int:
 
 @pytest.mark.parametrize("overlay", [*kube.OVERLAYS, RATINGS])
 def test_pods_meet_the_restricted_pod_security_profile(overlay):
-    objs = kube.render(overlay)
-    pod = kube.pods(objs)[0]
-    spec, c = pod.spec, pod.container
+    check_restricted(kube.render(overlay))
+
+
+def check_restricted(objs: list[dict]) -> None:
+    """Pod Security "restricted" for the workload's pod, every container (sidecars included)."""
+    spec = kube.pods(objs)[0].spec
     uid = int(image().user.split(":")[0])
-    psc, csc = spec["securityContext"], c["securityContext"]
+    psc = spec["securityContext"]
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         assert not spec.get(key)
     assert psc["runAsNonRoot"] is True and psc["runAsUser"] == uid != 0
     assert psc["seccompProfile"]["type"] == "RuntimeDefault"
-    assert csc["allowPrivilegeEscalation"] is False and not csc.get("privileged")
-    assert csc["capabilities"]["drop"] == ["ALL"] and not csc["capabilities"].get("add")
-    assert csc["readOnlyRootFilesystem"] is True
-    assert "runAsUser" not in csc and "runAsNonRoot" not in csc  # nothing overrides the pod's
+    for c in [*spec.get("initContainers", []), *spec["containers"]]:
+        csc = c["securityContext"]
+        assert csc["allowPrivilegeEscalation"] is False and not csc.get("privileged"), c["name"]
+        assert csc["capabilities"]["drop"] == ["ALL"] and not csc["capabilities"].get("add")
+        assert csc["readOnlyRootFilesystem"] is True, c["name"]
+        assert "runAsUser" not in csc and "runAsNonRoot" not in csc  # nothing overrides the pod's
+        assert not any(p.get("hostPort") for p in c.get("ports", [])), c["name"]
     allowed = {
         "configMap",
         "emptyDir",
@@ -119,7 +125,6 @@ def test_pods_meet_the_restricted_pod_security_profile(overlay):
     }
     for v in spec["volumes"]:
         assert set(v) - {"name"} <= allowed, v
-    assert not any(p.get("hostPort") for p in c.get("ports", []))
     # No API token: on the pod, or (TrainJob: the runtime patch cannot say it) on its account.
     if "automountServiceAccountToken" in spec:
         assert spec["automountServiceAccountToken"] is False
@@ -565,3 +570,104 @@ def test_the_ratings_example_overlay_is_cpu_smoke_running_the_examples_image_and
         assert f["nnodes"] == "2" and f["nproc-per-node"] == "1"
         assert f["rdzv-endpoint"] == f"{pods[0].dns_name}:{e['MASTER_PORT']}"
         assert plan.argv[-len(args[2:]) :] == tuple(args[2:])  # torchrun runs the script, as is
+
+
+# --- components (k8s/components): opt-in conventions on top of the overlays --------------------
+
+COMPONENT_OVERLAYS = {
+    "kueue": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
+}
+"""Which overlays each component is written for (its kustomization.yaml says the same)."""
+QUEUE_NAME = "kueue.x-k8s.io/queue-name"  # Kueue's label (its docs: tasks/run/jobs.md, jobsets.md)
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    """Where the tests write a user's own kustomizations (kube.render_with)."""
+    return tmp_path_factory.mktemp("user-kustomizations")
+
+
+def workload(objs: list[dict]) -> dict:
+    (w,) = [o for o in objs if o["kind"] in ("Job", "JobSet", "TrainJob")]
+    return w
+
+
+def child_job(jobset: dict) -> dict:
+    """The JobSet's Job template as the Job the JobSet controller creates (for the core schema)."""
+    (rjob,) = jobset["spec"]["replicatedJobs"]
+    name = f"{jobset['metadata']['name']}-{rjob['name']}-0"
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name}, **rjob["template"]}
+
+
+def pod_template_spec(w: dict) -> dict:
+    if w["kind"] == "JobSet":
+        return w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    return w["spec"]["template"]["spec"]
+
+
+def validate_all(objs: list[dict]) -> None:
+    """Core objects (and a JobSet's child Job) against the Kubernetes schemas, custom ones against
+    the upstream CRDs; strict: unknown fields are errors."""
+    for obj in objs:
+        if kube.is_core(obj):
+            assert kube.validate_core_object(obj) is None, (
+                obj["kind"],
+                kube.validate_core_object(obj),
+            )
+            continue
+        if not kube.CRDS.is_dir():
+            pytest.skip(f"needs the upstream CRD schemas in {kube.CRDS}")
+        assert kube.validate_crd_object(obj) == [], obj["kind"]
+        if obj["kind"] == "JobSet":
+            job = child_job(obj)
+            assert kube.validate_core_object(job) is None, kube.validate_core_object(job)
+
+
+def test_every_component_is_listed_with_its_overlays():
+    assert set(kube.COMPONENTS) == set(COMPONENT_OVERLAYS)
+    for component, overlays in COMPONENT_OVERLAYS.items():
+        text = (kube.COMPONENTS_DIR / component / "kustomization.yaml").read_text()
+        assert "kind: Component" in text
+        assert set(overlays) <= set(kube.OVERLAYS)
+
+
+@pytest.mark.parametrize(
+    ("component", "overlay"),
+    [(c, o) for c, overlays in COMPONENT_OVERLAYS.items() for o in overlays],
+)
+def test_each_component_renders_on_its_overlays_and_validates(component, overlay, user_dir):
+    """Rendered on top of the overlay the way a user would (a kustomization of their own), the
+    objects validate, the pods stay restricted, and every pod still gets the same trainer-launch
+    environment as without the component."""
+    objs = kube.render_with(user_dir, overlay, [component])
+    validate_all(objs)
+    check_restricted(objs)
+    plain = kube.pods(kube.render(overlay))
+    for pod, twin in zip(kube.pods(objs), plain, strict=True):
+        assert pod.env() == twin.env() and pod.container["args"] == twin.container["args"]
+
+
+@pytest.mark.parametrize("overlay", COMPONENT_OVERLAYS["kueue"])
+def test_kueue_labels_the_workload_and_creates_it_suspended(overlay, user_dir):
+    """Kueue's conventions: the LocalQueue label on the object Kueue manages (the Job, the JobSet,
+    the TrainJob; not a JobSet's child Jobs, not the pods), `spec.suspend: true`; nothing else."""
+    objs, plain = kube.render_with(user_dir, overlay, ["kueue"]), kube.render(overlay)
+    w = workload(objs)
+    queue = w["metadata"]["labels"][QUEUE_NAME]
+    assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", queue)  # a LocalQueue's name
+    assert w["spec"]["suspend"] is True
+    assert str(objs).count(QUEUE_NAME) == 1  # not on child Jobs, pods or other objects
+    # Nothing else changed (a JobSet's child Jobs are not suspended themselves, for one): without
+    # the label and suspend, the objects are the overlay's.
+    del w["metadata"]["labels"][QUEUE_NAME], w["spec"]["suspend"]
+    assert objs == plain
+
+
+def test_kueue_queue_name_is_changed_by_a_patch_of_ones_own(user_dir):
+    """docs/kubernetes.md's way to name another LocalQueue: a patch in the user's kustomization
+    (the components run before its own patches, so the patch wins)."""
+    patch = "- {op: replace, path: /metadata/labels/kueue.x-k8s.io~1queue-name, value: team-a}"
+    objs = kube.render_with(
+        user_dir, "cpu-smoke", ["kueue"], patches=[{"target": {"kind": "Job"}, "patch": patch}]
+    )
+    assert workload(objs)["metadata"]["labels"][QUEUE_NAME] == "team-a"
