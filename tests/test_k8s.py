@@ -7,6 +7,7 @@ node env contract) and from docker/Dockerfile; nothing here repeats a manifest's
 
 from __future__ import annotations
 
+import copy
 import mmap
 import re
 import subprocess
@@ -576,9 +577,12 @@ def test_the_ratings_example_overlay_is_cpu_smoke_running_the_examples_image_and
 
 COMPONENT_OVERLAYS = {
     "kueue": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
+    "exclusive": ("cpu-smoke", "gpu", "jobset"),
 }
 """Which overlays each component is written for (its kustomization.yaml says the same)."""
 QUEUE_NAME = "kueue.x-k8s.io/queue-name"  # Kueue's label (its docs: tasks/run/jobs.md, jobsets.md)
+HOSTNAME = "kubernetes.io/hostname"  # the well-known node label: one node, one domain
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 
 @pytest.fixture(scope="module")
@@ -671,3 +675,62 @@ def test_kueue_queue_name_is_changed_by_a_patch_of_ones_own(user_dir):
         user_dir, "cpu-smoke", ["kueue"], patches=[{"target": {"kind": "Job"}, "patch": patch}]
     )
     assert workload(objs)["metadata"]["labels"][QUEUE_NAME] == "team-a"
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A metav1.LabelSelector against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+def merged_selector(term: dict, pod_labels: dict[str, str]) -> dict:
+    """What the API server stores for a new pod: each matchLabelKeys key that the pod carries is
+    added to the term's labelSelector as `key In (the pod's value)` (KEP-3633)."""
+    selector = copy.deepcopy(term["labelSelector"])
+    for key in term.get("matchLabelKeys", []):
+        if key in pod_labels:
+            selector.setdefault("matchExpressions", []).append(
+                {"key": key, "operator": "In", "values": [pod_labels[key]]}
+            )
+    return selector
+
+
+@pytest.mark.parametrize("overlay", COMPONENT_OVERLAYS["exclusive"])
+def test_exclusive_keeps_the_jobs_pods_on_different_nodes(overlay, user_dir):
+    """A required anti-affinity per hostname that each pod of the Job matches against every other
+    pod of the same Job (the same controller-uid), and against no pod of another Job."""
+    objs = kube.render_with(user_dir, overlay, ["exclusive"])
+    w = workload(objs)
+    (term,) = pod_template_spec(w)["affinity"]["podAntiAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]
+    assert term["topologyKey"] == HOSTNAME
+    keys = {e["key"] for e in term["labelSelector"].get("matchExpressions", [])}
+    keys |= set(term["labelSelector"].get("matchLabels", {}))
+    assert not keys & set(term["matchLabelKeys"])  # the API server refuses a key in both
+    pods = kube.pods(objs)
+    assert len(pods) >= 2
+    other_job = {**pods[0].labels, kube.CONTROLLER_UID: "another-uid", kube.JOB_NAME: "other"}
+    for pod in pods:
+        selector = merged_selector(term, pod.labels)
+        assert all(selects(selector, peer.labels) for peer in pods if peer is not pod)
+        assert not selects(selector, other_job)
+        assert not selects(selector, {"app": "unrelated"})
+    # Not JobSet's exclusive-topology annotation: it places all of a child Job's pods in ONE
+    # domain (pods 1..N-1 follow pod 0: JobSet's pkg/webhooks/pod_webhook.go), and this JobSet
+    # runs one Job of N pods, so per hostname every pod would be sent to pod 0's node.
+    assert EXCLUSIVE_TOPOLOGY not in str(objs)
+    # Nothing else changed.
+    del pod_template_spec(w)["affinity"]
+    assert objs == kube.render(overlay)
