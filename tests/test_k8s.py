@@ -578,11 +578,13 @@ def test_the_ratings_example_overlay_is_cpu_smoke_running_the_examples_image_and
 COMPONENT_OVERLAYS = {
     "kueue": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
     "exclusive": ("cpu-smoke", "gpu", "jobset"),
+    "in-place-restart": ("jobset",),
 }
 """Which overlays each component is written for (its kustomization.yaml says the same)."""
 QUEUE_NAME = "kueue.x-k8s.io/queue-name"  # Kueue's label (its docs: tasks/run/jobs.md, jobsets.md)
 HOSTNAME = "kubernetes.io/hostname"  # the well-known node label: one node, one domain
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+MAX_INT32 = 2**31 - 1
 
 
 @pytest.fixture(scope="module")
@@ -734,3 +736,81 @@ def test_exclusive_keeps_the_jobs_pods_on_different_nodes(overlay, user_dir):
     # Nothing else changed.
     del pod_template_spec(w)["affinity"]
     assert objs == kube.render(overlay)
+
+
+def container_restart(container: dict, code: int) -> str | None:
+    """The kubelet's container restart rules (KEP-5307/5532): the first rule whose exit codes
+    match decides; None: the container's restartPolicy does (Never: it stays terminated)."""
+    for rule in container.get("restartPolicyRules", []):
+        on = rule["exitCodes"]
+        if (code in on["values"]) == (on["operator"] == "In"):
+            return rule["action"]
+    return None
+
+
+@needs_crds
+def test_in_place_restart_meets_jobsets_rules_and_keeps_the_exit_code_mapping(user_dir):
+    """InPlaceRestart as the pinned JobSet accepts it (CRD enum; the webhook's requirements:
+    backoffLimit MaxInt32, podReplacementPolicy Failed, completions == parallelism), the agent
+    sidecar with its own token, and the trainer's exit codes: 2 still fails the JobSet, 3 and
+    DisruptionTarget still recreate the group uncounted, anything else restarts the pod in place."""
+    objs = kube.render_with(user_dir, "jobset", ["in-place-restart"])
+    jobset = kube.one(objs, "JobSet")
+    policy = jobset["spec"]["failurePolicy"]
+    schema = kube.crd_schema(jobset)["properties"]["spec"]["properties"]["failurePolicy"]
+    assert policy["restartStrategy"] == "InPlaceRestart"
+    assert "InPlaceRestart" in schema["properties"]["restartStrategy"]["enum"]
+    job = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert job["backoffLimit"] == MAX_INT32 and job["podReplacementPolicy"] == "Failed"
+    assert job["completions"] == job["parallelism"]
+    spec = pod_template_spec(jobset)
+    (agent,) = spec["initContainers"]
+    trainer = kube.training_container(spec)
+    assert agent["restartPolicy"] == "Always"  # a sidecar
+    assert container_restart(agent, 1) == "RestartAllContainers"
+    assert "startupProbe" in agent  # the barrier the trainer waits behind
+    # The API token reaches the agent only, through its account, which may do what it needs.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    token = {m["name"] for m in agent["volumeMounts"]}
+    assert any(
+        "serviceAccountToken" in s for v in token for s in volumes[v]["projected"]["sources"]
+    )
+    assert not token & {m["name"] for m in trainer["volumeMounts"]}
+    assert spec["automountServiceAccountToken"] is False
+    account = kube.one(objs, "ServiceAccount")["metadata"]["name"]
+    assert spec["serviceAccountName"] == account
+    binding, role = kube.one(objs, "RoleBinding"), kube.one(objs, "Role")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account}]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    grants = {
+        (g, r, v)
+        for rule in role["rules"]
+        for g in rule["apiGroups"]
+        for r in rule["resources"]
+        for v in rule["verbs"]
+    }
+    assert {("", "pods", "patch"), ("jobset.x-k8s.io", "jobsets", "watch")} <= grants
+    # Exit codes: what the kubelet does first, then (if the pod fails) the Job's and JobSet's rules.
+    assert trainer["restartPolicy"] == "Never"
+    for code in (ExitCode.USAGE, ExitCode.PREEMPTED):
+        assert container_restart(trainer, code) is None, code  # the pod fails: the rules decide
+        assert (
+            jobset_action(jobset, *job_failure(job, trainer["name"], code)) == JOBSET_ACTIONS[code]
+        )
+    assert (
+        jobset_action(jobset, *job_failure(job, trainer["name"], "DisruptionTarget"))
+        == (JOBSET_ACTIONS["DisruptionTarget"])
+    )
+    for code in (ExitCode.ERROR, ExitCode.RETRYABLE, 137):
+        assert container_restart(trainer, code) == "RestartAllContainers", code
+    assert container_restart(trainer, ExitCode.OK) is None
+
+
+def test_all_components_compose_on_the_jobset_overlay(user_dir):
+    objs = kube.render_with(user_dir, "jobset", kube.COMPONENTS)
+    validate_all(objs)
+    check_restricted(objs)
+    jobset = kube.one(objs, "JobSet")
+    assert jobset["spec"]["suspend"] is True and QUEUE_NAME in jobset["metadata"]["labels"]
+    assert jobset["spec"]["failurePolicy"]["restartStrategy"] == "InPlaceRestart"
+    assert pod_template_spec(jobset)["affinity"]["podAntiAffinity"]
