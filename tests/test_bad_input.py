@@ -539,6 +539,7 @@ def plugin_cases() -> list:
         _task("count", "CountFloatTensor", "CountFloatTensor.count returned a tensor of shape ()"),
         _task("count", "CountNone", "CountNone.count returned None"),
         _task("count", "CountZero", "CountZero.count: the global batch of step 1 has 0 loss"),
+        _task("count", "CountedWithFixedTerms", "defines count(batch) but terms_per_sample=1"),
         # metrics(): {name: (sum, count)}, the same names for every batch
         _task("metrics", "MetricsList", "MetricsList.metrics returned ["),
         _task("metrics", "MetricsEmpty", "MetricsEmpty.metrics returned {}"),

@@ -146,3 +146,17 @@ def test_a_torchrun_restart_resumes_in_the_folder_of_its_first_attempt(tmp_path)
     (run,) = folder()  # one folder for both attempts
     summary = json.loads((run / "summary.json").read_text())
     assert summary["restart_count"] == 1 and out.count("resumed from") == 1
+
+
+def test_a_stop_says_how_to_resume_a_folder_the_trainer_picked():
+    """Leaving run_dir out, the same command would start a new folder: the stop line names it."""
+    from types import SimpleNamespace
+
+    from trainer.run import Run
+
+    picked = SimpleNamespace(folder_chosen=True, cfg=SimpleNamespace(run_dir="runs/x/20261125"))
+    assert Run.to_resume.fget(picked) == (
+        "to resume, rerun with run_dir=runs/x/20261125 (trainer train: --resume runs/x/20261125)"
+    )
+    pinned = SimpleNamespace(folder_chosen=False, cfg=SimpleNamespace(run_dir="runs/mine"))
+    assert Run.to_resume.fget(pinned) == "rerun the same command to resume"

@@ -252,3 +252,22 @@ def test_a_name_fit_recorded_for_an_object_is_one_line_from_the_command_line(cap
     assert cli.main(["train", "--dry-run", "task.name=<fit>:Classification"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert "handed to trainer.fit" in err[-1] and not any("Traceback" in e for e in err)
+
+
+def test_a_scripts_dry_run_checks_the_contract_and_keeps_nothing(tmp_path, monkeypatch):
+    """`python train.py --dry-run`: trainer.fit takes --dry-run among the overrides."""
+    import trainer as api
+    from tests.helpers import tiny, tiny_model
+
+    monkeypatch.chdir(tmp_path)
+    report = api.fit(
+        {"data": {"global_batch_size": 4}, "log": {"progress": "none"}},
+        ["--dry-run", "dist.device=cpu"],
+        model=tiny_model,
+        data=tiny,
+        task=Classification(),
+        exit_on_error=False,
+    )
+    assert report["dry_run"] and report["last_batch"]["global_samples"] == 1
+    assert report["eval_batch"]["global_samples"] == 7 and report["checkpoint"]["bytes"] > 0
+    assert not (tmp_path / "runs").exists()  # no run folder left behind

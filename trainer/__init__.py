@@ -10,6 +10,7 @@ _PUBLIC = {
     "Task": "trainer.tasks:Task",
     "DataSpec": "trainer.data:DataSpec",
     "ArrayDataset": "trainer.data:ArrayDataset",
+    "UsageError": "trainer.errors:UsageError",
 }
 """The public names, imported on first use (`import trainer` stays free of torch)."""
 

@@ -125,7 +125,8 @@ def report(e: "TrainerError", prog: str = "trainer") -> int:
 
     rank = os.environ.get("RANK", "0")
     if rank in ("", "0") or e.every_rank:
-        line = f"{prog}: error: {'' if rank in ('', '0') else f'[rank {rank}] '}{e}"
+        named = rank in ("", "0") or str(e).startswith(f"rank {rank}")
+        line = f"{prog}: error: {'' if named else f'[rank {rank}] '}{e}"
         print(line, file=sys.stderr, flush=True)
         record_message(line)
     return int(e.exit_code)

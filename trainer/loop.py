@@ -302,10 +302,7 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
     path = _save(run, clock, f"signal {name}", must_succeed=True)
     # The step the signal landed in (its rank's next step boundary): how long the stop took.
     run.log.record({"kind": "stop", "step": step, "signal": name, "noticed": run.stop.noticed_step})
-    raise Preempted(
-        f"stopped by {name} at step {step}; checkpoint {path} saved: rerun the same command to "
-        "resume"
-    )
+    raise Preempted(f"stopped by {name} at step {step}; checkpoint {path} saved: {run.to_resume}")
 
 
 def check_loss(run: Run, loss: float | None) -> None:

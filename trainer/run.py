@@ -71,6 +71,8 @@ class Run:
     """Rank 0's per-rank forward and data-wait accounting (None elsewhere)."""
     hosts: list | None = None
     """Rank 0: every rank's (node, host), gathered when the run's record is written."""
+    folder_chosen: bool = False
+    """run_dir was left out and the trainer picked a new folder (a rerun would pick another)."""
 
     @property
     def model(self) -> torch.nn.Module:
@@ -79,6 +81,16 @@ class Run:
     @property
     def run_dir(self) -> str:
         return os.path.abspath(self.cfg.run_dir)
+
+    @property
+    def to_resume(self) -> str:
+        """How a user continues this run after a stop."""
+        if self.folder_chosen:  # the same command would start a new folder
+            return (
+                f"to resume, rerun with run_dir={self.cfg.run_dir} (trainer train: --resume "
+                f"{self.cfg.run_dir})"
+            )
+        return "rerun the same command to resume"
 
     @property
     def finished(self) -> bool:
@@ -100,7 +112,8 @@ class Run:
         cfg, w = self.cfg, self.world
         return (
             f"{cfg.name}: {cfg.data.name} ({len(self.data.train)} train / {len(self.data.test)} "
-            f"test) | model {cfg.model.name} | task {self.task.name} | world {w.size} x "
+            f"test) | model {cfg.model.name} | task {self.task.name or type(self.task).__name__} | "
+            f"world {w.size} x "
             f"{w.device} ({w.backend}, "
             f"{self.strategy.name}) | global batch {cfg.data.global_batch_size}, "
             f"{self.steps_per_epoch} steps/epoch"

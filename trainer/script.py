@@ -35,6 +35,7 @@ def fit(
     model=None,
     data=None,
     task=None,
+    dry_run: bool = False,
     exit_on_error: bool = True,
 ) -> dict:
     """Train one rank of the job (torchrun's environment, or one process); the run's summary.
@@ -49,6 +50,9 @@ def fit(
     data: a trainer.DataSpec, or a factory (DataConfig, seed) -> DataSpec;
     task: a trainer.Task, or a Task subclass or factory (called with data, num_classes, ...
         as it names them, plus task.kwargs);
+    dry_run: `trainer train --dry-run`: one step on an epoch's last batch, one evaluation batch
+        (metrics and summarize), a checkpoint round trip; nothing is kept. `--dry-run` among
+        the overrides (a script's sys.argv[1:]) does the same;
     exit_on_error: end the process on a TrainerError with its one line and exit code, as
         `trainer train` does (default); False: raise it.
 
@@ -60,8 +64,10 @@ def fit(
         from trainer.run import Plugins
         from trainer.train import train
 
+        if not isinstance(overrides, str) and "--dry-run" in list(overrides):
+            overrides, dry_run = [o for o in overrides if o != "--dry-run"], True
         cfg = _config(config, overrides, model=model, data=data, task=task)
-        return train(cfg, plugins=Plugins(data=data, model=model, task=task))
+        return train(cfg, dry_run=dry_run, plugins=Plugins(data=data, model=model, task=task))
     except TrainerError as e:
         if not exit_on_error:
             raise

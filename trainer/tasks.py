@@ -39,10 +39,8 @@ class Task:
     zero count then, as a sum over nothing does. `trainer train --dry-run` runs that batch.
     """
 
-    @property
-    def name(self) -> str:
-        """Shown in the run's banner (default: the class's name; set `name = "..."` to change)."""
-        return type(self).__name__
+    name: str | None = None
+    """Shown in the run's banner (None: the class's name)."""
 
     terms_per_sample: int | None = 1
     """Loss terms each sample contributes when that number is fixed (1; the sequence length of
@@ -299,6 +297,12 @@ def checked_task(task: Task) -> Task:
         raise UsageError(
             f"task.name: {type(task).__name__}.terms_per_sample is None, so it must define "
             "count(batch), the number of loss terms in a slice"
+        )
+    if tps is not None and type(task).count is not Task.count:
+        raise UsageError(
+            f"task.name: {type(task).__name__} defines count(batch) but terms_per_sample={tps}: "
+            "the step divides by samples x terms_per_sample and would ignore count(); set "
+            "terms_per_sample = None to divide by count(), or drop count()"
         )
     return task
 

@@ -61,6 +61,7 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
             chosen = rundir.resolve(cfg.name, None, claim=not dry_run) if world.is_main else None
             cfg = dataclasses.replace(cfg, run_dir=ranks.broadcast_object(chosen))
         run = build(cfg, world, how, stop, started, plugins)
+        run.folder_chosen = chosen_here
         if dry_run:
             checked = dryrun.check(run)
             if world.is_main and chosen_here:  # leave no empty folder of a run that never ran

@@ -320,7 +320,7 @@ class Checkpointer:
             repro.seed_rank(self.cfg.seed + state.step, self.world.rank)
             note = f"; world size {len(rngs)} -> {self.world.size}: per-rank RNG reseeded"
         self.log.info(
-            f"resumed from {path} (step {state.step}, epoch {state.epoch}, "
+            f"resumed from {path} (step {state.step}, epoch {state.epoch + 1}, "
             f"step {state.step_in_epoch} of the epoch){note}"
         )
         if self.resumed_with:

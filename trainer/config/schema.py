@@ -149,6 +149,9 @@ class DataConfig:
     text: TextConfig = field(default_factory=TextConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
     arrays: ArraysConfig = field(default_factory=ArraysConfig)
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Settings of your own data factory (it reads cfg.kwargs; the built-ins read none), e.g.
+    data.kwargs.min_length=3."""
 
     def __post_init__(self) -> None:
         check_fields(self, "data.")

@@ -10,7 +10,7 @@ import os
 import numpy as np
 import torch
 
-from trainer import DataSpec
+from trainer import DataSpec, UsageError
 
 
 class Ratings:
@@ -30,9 +30,7 @@ class Ratings:
 
 
 def read_csv(path: str) -> np.ndarray:
-    if not os.path.isfile(path):
-        from trainer.errors import UsageError
-
+    if not os.path.isfile(path):  # a mistake the user fixes: one line, exit 2 (trainer.UsageError)
         raise UsageError(
             f"ratings: no {path}: write the example's data first with `python -m ratings.prepare "
             f"{os.path.dirname(os.path.dirname(path)) or '.'}` (or set data.root)"
