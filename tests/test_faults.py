@@ -190,15 +190,25 @@ def test_an_image_names_its_commit_without_git(monkeypatch):
     assert repro.git_commit() is None
 
 
-def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path):
-    code = (
-        "import os, torch\nfrom trainer import config\nfrom trainer.train import train\n"
-        f"train(config.load(None, {[*TINY, f'run_dir={tmp_path}', 'repro.deterministic=true']!r}))\n"
-        "assert torch.are_deterministic_algorithms_enabled()\n"
-        "assert not torch.backends.cudnn.benchmark and torch.backends.cudnn.deterministic\n"
-        "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n"
-    )
-    p = subprocess.run(
-        [sys.executable, "-c", code], env=env(), cwd=ROOT, capture_output=True, text=True
-    )
-    assert p.returncode == 0, p.stderr
+def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path, monkeypatch):
+    """On during the run (seen from the model factory), and off again after it: nothing global
+    outlives a run in the caller's process (trainer.fit, tests)."""
+    import torch
+
+    import trainer as api
+    from tests.helpers import tiny, tiny_model
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    seen = {}
+
+    def probe(num_classes, in_shape):
+        seen["on"] = torch.are_deterministic_algorithms_enabled()
+        seen["cudnn"] = torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        seen["cublas"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        return tiny_model(num_classes, in_shape)
+
+    before = torch.are_deterministic_algorithms_enabled()
+    overrides = [*TINY[2:], f"run_dir={tmp_path}", "repro.deterministic=true", "dist.device=cpu"]
+    api.fit(None, overrides, model=probe, data=tiny, exit_on_error=False)
+    assert seen == {"on": True, "cudnn": True, "cublas": ":4096:8"}
+    assert torch.are_deterministic_algorithms_enabled() == before

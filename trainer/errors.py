@@ -129,7 +129,16 @@ def report(e: "TrainerError", prog: str = "trainer") -> int:
         line = f"{prog}: error: {'' if named else f'[rank {rank}] '}{e}"
         print(line, file=sys.stderr, flush=True)
         record_message(line)
+    else:  # rank 0 says it: an early exit here would let torchrun stop rank 0 before it does
+        import time
+
+        time.sleep(RANK0_GRACE_S)
     return int(e.exit_code)
+
+
+RANK0_GRACE_S = 2.0
+"""How long the other ranks stay after an error that rank 0 alone reports (the same mistake,
+found at the same point of every rank's start)."""
 
 
 class TrainerError(Exception):
