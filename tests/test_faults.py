@@ -5,13 +5,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from tests import helpers
-from tests.helpers import ROOT, checkpoints, children, env, spawn, trainer, wait_for, weights
+from tests.helpers import ROOT, checkpoints, children, spawn, trainer, wait_for, weights
 from trainer import config, doctor
 
 RESTART = [
