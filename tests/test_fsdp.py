@@ -35,6 +35,11 @@ BN_STATS = ("running_mean", "running_var", "num_batches_tracked")
 # A ResNet, sharded per residual stage, on digits (SGD: weights comparable to 1e-5).
 RESNET = [
     "model.name=resnet18",
+    # 3-channel images (a real stem), 16 test samples: the evaluation is a small part of the run
+    "data.name=synthetic",
+    "data.synthetic.shape=[3,8,8]",
+    "data.synthetic.size=64",
+    "data.synthetic.test_size=16",
     "optim.name=sgd",
     "optim.lr=0.05",
     "data.global_batch_size=16",

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 
 import pytest
 
-from tests.helpers import ROOT, TINY
+from tests.helpers import TINY
 from trainer import cli, launch, rundir
 
 QUICK = [*TINY, "name=tiny", "train.epochs=2", "log.progress=plain", "log.tensorboard=false"]
@@ -118,34 +117,6 @@ def test_a_dry_run_leaves_no_folder_behind(here, capsys):
     code, out, err = train(capsys, "--dry-run", *QUICK)
     assert code == 0 and "dry run ok" in out, err
     assert sorted(p.name for p in here.rglob("*")) == ["keep", "runs"]
-
-
-@pytest.mark.slow
-def test_a_torchrun_restart_resumes_in_the_folder_of_its_first_attempt(tmp_path):
-    """No run_dir, torchrun --max-restarts: after a SIGKILL the new worker group must find the
-    folder rank 0 chose the first time (by torchrun's run id in run.json), not start another."""
-    import subprocess
-
-    from tests.helpers import checkpoints, children, env, trainer_argv, wait_for
-    from tests.test_faults import RESTART
-
-    args = [*RESTART, "name=restart", "train.epochs=3", "model.kwargs.delay=0.02"]
-    proc = subprocess.Popen(
-        trainer_argv("train", *args, nproc=2, max_restarts=1),
-        env=env(PYTHONPATH=str(ROOT)),
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    folder = lambda: [p for p in (tmp_path / "runs" / "restart").glob("*")]  # noqa: E731
-    wait_for(lambda: folder() and checkpoints(folder()[0]), 180, "a first checkpoint", proc)
-    os.kill(children(proc.pid)[1], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    (run,) = folder()  # one folder for both attempts
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["restart_count"] == 1 and out.count("resumed from") == 1
 
 
 def test_a_stop_says_how_to_resume_a_folder_the_trainer_picked():

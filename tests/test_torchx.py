@@ -116,14 +116,14 @@ def test_component_on_local_cwd_trains_the_default_preset_on_two_ranks(tmp_path)
         "--nproc_per_node",
         "2",
         "log.progress=plain",
+        "train.max_steps=46",  # 2 epochs: the preset's accuracy is test_presets' (world 1)
         f"run_dir={run}",
     )
     assert "Job finished: SUCCEEDED" in p.stderr
     s = summary(run)
-    assert s["name"] == DEFAULT_PRESET and s["restart_count"] == 0
+    assert s["name"] == DEFAULT_PRESET and s["restart_count"] == 0 and s["steps"] == 46
     assert s["world_size"] == 2 and len(s["hostnames"]) == 2 and s["strategy"] == "ddp"
-    # trainer/conf/digits-mlp.yaml: test accuracy 0.975-0.981 over model seeds 0-4 (seed 0 here).
-    assert s["eval"]["count"] == 359 and s["eval"]["accuracy"] >= 0.975
+    assert s["eval"]["count"] == 359 and s["eval"]["accuracy"] >= 0.85
     print(
         f"component, local_cwd, {DEFAULT_PRESET} on 2 ranks: accuracy "
         f"{s['eval']['accuracy']:.4f}, {s['steps']} steps, trainer wall {s['wall_s']:.1f} s"
