@@ -203,29 +203,11 @@ def test_a_hang_on_the_second_node_is_named_through_trainer_launch(tmp_path):
     (node 1) hangs: node 0 names it, with its host, and both nodes exit 4."""
     if reason := netns.unavailable():
         pytest.skip(reason)
-    import subprocess
-
-    from tests.test_compose import _image_env, compose_config
+    from tests.test_compose import _run_two_nodes
 
     args = " ".join(["data.name=tests.stall_plugins:hanging", *HANG[:-1]])
-    services = compose_config("two-node", TRAIN_ARGS=args)["services"]
-    procs, logs = [], []
     with netns.Network(2, hosts={"node0": 0, "node1": 1}) as net:
-        for i in (0, 1):
-            argv, e = _image_env(services[f"node{i}"], tmp_path, "cpu")
-            logs.append(open(tmp_path / f"node{i}.log", "w"))  # noqa: SIM115
-            kw = dict(env=e, cwd=tmp_path, stdout=logs[-1], stderr=subprocess.STDOUT)
-            procs.append(net.popen(i, argv, **kw))
-        try:
-            codes = [p.wait(timeout=120) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-            for f in logs:
-                f.close()
-    out = [(tmp_path / f"node{i}.log").read_text() for i in (0, 1)]
-    assert codes == [4, 4], "\n".join(o[-3000:] for o in out)
+        out = _run_two_nodes(tmp_path, net, args, codes=(4, 4))
     named = [line for line in out[0].splitlines() if "error: rank 1 (node 1, host" in line]
     assert named and "stall_plugins.py" in named[-1] and "data loading" in named[-1], out[0][-3000:]
     run_dir = tmp_path / "runs" / "two-node" / "digits-mlp"

@@ -83,7 +83,10 @@ def test_dry_run_exercises_the_tail_batch_and_a_checkpoint_round_trip_and_keeps_
     run_dir = tmp_path / "run"
     trainer("train", *TINY, f"run_dir={run_dir}")
     before = _tree_digest(run_dir)
-    p = trainer("train", "--dry-run", *TINY, "train.epochs=3", f"run_dir={run_dir}", nproc=2)
+    p = trainer(
+        "train", "--dry-run", *TINY, "train.epochs=3", f"run_dir={run_dir}", nproc=2,
+        torchrun=False,
+    )  # fmt: skip
     # 9 samples in batches of 4: the last global batch holds 1 sample for 2 ranks.
     assert "dry run ok: last batch (step 3/3, 1 samples over 2 rank(s))" in p.stdout
     assert "checkpoint" in p.stdout and "saved, verified and loaded" in p.stdout

@@ -187,7 +187,7 @@ def test_a_corrupt_shard_falls_back_to_the_previous_checkpoint(runs, tmp_path):
     shutil.copytree(runs(2, "fsdp", *GPT) / "checkpoints", run_dir / "checkpoints")
     shard = run_dir / "checkpoints" / "step-000000012" / "dcp" / "__1_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-10])  # a truncated write from rank 1
-    p = trainer("train", *GPT, "dist.strategy=fsdp", f"run_dir={run_dir}", nproc=2)
+    p = trainer("train", *GPT, "dist.strategy=fsdp", f"run_dir={run_dir}", nproc=2, torchrun=False)
     assert "step-000000012 is corrupt (dcp/__1_0.distcp does not match its sha256" in p.stdout
     assert "resumed from" in p.stdout and "step-000000006" in p.stdout
     assert sorted(train_losses(run_dir)) == list(range(7, 13))  # continued after step 6
@@ -209,6 +209,7 @@ def test_damaged_shards_in_every_checkpoint_stop_the_run_and_keep_them(runs, tmp
         "dist.strategy=fsdp",
         f"run_dir={run_dir}",
         nproc=2,
+        torchrun=False,
         check=False,
         extra_env={"TRAINER_STATUS_DIR": str(status)},
     )
@@ -248,7 +249,7 @@ def test_a_sharded_checkpoint_can_be_evaluated_and_seed_weights(runs, tmp_path):
     seeded, fresh = tmp_path / "seeded", runs(1, "none", *GPT)
     p = trainer(
         "train", *GPT, "train.max_steps=1", "log.every_steps=1", f"ckpt.init_weights={step}",
-        f"run_dir={seeded}", nproc=2,
+        f"run_dir={seeded}", nproc=2, torchrun=False,
     )  # fmt: skip
     assert f"initial weights from {step}" in p.stdout
     assert train_losses(seeded)[1] < train_losses(fresh)[1] - 0.3
@@ -269,7 +270,7 @@ def test_sigkill_then_rerun_under_fsdp_is_bitwise(runs, tmp_path):
     assert max(done) < 12, "the run finished before the kill landed"
     p = trainer(
         "train", *GPT, *slow[:2], "model.kwargs.delay=0.1", "dist.strategy=fsdp",
-        f"run_dir={run_dir}", nproc=2,
+        f"run_dir={run_dir}", nproc=2, torchrun=False,
     )  # fmt: skip
     assert "resumed from" in p.stdout
     a, b = weights(run_dir), weights(ref)
@@ -300,7 +301,10 @@ def test_bf16_under_fsdp_trains_close_to_fp32(runs):
 
 def test_dry_run_under_fsdp_reports_per_rank_memory(tmp_path):
     run_dir = tmp_path / "run"
-    p = trainer("train", *GPT, "dist.strategy=fsdp", "--dry-run", f"run_dir={run_dir}", nproc=2)
+    p = trainer(
+        "train", *GPT, "dist.strategy=fsdp", "--dry-run", f"run_dir={run_dir}", nproc=2,
+        torchrun=False,
+    )  # fmt: skip
     assert "dry run ok" in p.stdout and "(gloo, fsdp)" in p.stdout
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("per rank: params"))
     assert "grads" in line and "optimizer" in line
@@ -312,7 +316,7 @@ def test_dp_refuses_a_multi_process_launch_in_one_line(tmp_path):
     status.mkdir()
     p = trainer(
         "train", *GPT, "dist.strategy=dp", f"run_dir={tmp_path / 'run'}", nproc=2, check=False,
-        extra_env={"TRAINER_STATUS_DIR": str(status)},
+        torchrun=False, extra_env={"TRAINER_STATUS_DIR": str(status)},
     )  # fmt: skip
     codes = {f.read_text().strip() for f in status.glob("*.exit")}
     assert codes == {"2"}, codes  # every rank: bad config (torchrun itself reports 1)
@@ -366,7 +370,7 @@ def test_a_checkpoint_metadata_that_would_run_code_is_refused(runs, tmp_path):
     status.mkdir()
     p = trainer(
         "train", *GPT, "dist.strategy=fsdp", f"ckpt.resume={step}", f"run_dir={run_dir}",
-        nproc=2, check=False, extra_env={"TRAINER_STATUS_DIR": str(status)},
+        nproc=2, torchrun=False, check=False, extra_env={"TRAINER_STATUS_DIR": str(status)},
     )  # fmt: skip
     assert {f.read_text().strip() for f in status.glob("*.exit")} == {"2"}, p.stderr[-2000:]
     assert "posix.system" in p.stderr and not marker.exists()

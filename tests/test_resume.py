@@ -151,7 +151,9 @@ def test_sigterm_under_torchrun_checkpoints_exits_3_and_resumes_exactly(uninterr
     meta = json.loads((run_dir / "checkpoints" / newest / "meta.json").read_text())
     assert meta["reason"] == "signal SIGTERM" and meta["loop"]["step"] < 69
     # The same command again: the sleep only slows the forward pass, the math is the reference's.
-    trainer("train", *BASE, "model.kwargs.delay=0.05", f"run_dir={run_dir}", nproc=2)
+    trainer(
+        "train", *BASE, "model.kwargs.delay=0.05", f"run_dir={run_dir}", nproc=2, torchrun=False
+    )
     assert _bitwise_equal(run_dir, uninterrupted_w2)
 
 

@@ -68,12 +68,13 @@ def test_task_name_auto_needs_a_task_from_data_that_names_none():
 FLAT = ["sched.name=none", "sched.warmup_steps=0"]  # the step's lr is optim.lr
 
 
-def _step(task, micro=None):
-    cfg = config.load(None, ["optim.name=sgd", "optim.lr=0.1", "optim.weight_decay=0", *FLAT])
+def _step(task, micro=None, model=plugins.linear, lr=0.1):
+    """A TrainStep of SGD (no momentum effect on one step, flat lr) on model() seeded alike."""
+    cfg = config.load(None, ["optim.name=sgd", f"optim.lr={lr}", "optim.weight_decay=0", *FLAT])
     if micro:
         cfg.train.micro_batch_size = micro
     torch.manual_seed(0)
-    model = plugins.linear()
+    model = model()
     opt = build_optimizer(cfg.optim, model.parameters())
     step = TrainStep(
         cfg=cfg.train,
@@ -168,19 +169,8 @@ def test_model_loss_is_exact_only_when_every_sample_has_as_many_terms():
         results = {}
         for name, task in (("adapter", ModelLoss()), ("exact", plugins.SummedCrossEntropy())):
             for micro in (None, 4):
-                cfg = config.load(None, ["optim.name=sgd", "optim.lr=0.5", *FLAT])
-                cfg.train.micro_batch_size = micro
-                torch.manual_seed(0)
-                model = plugins.hf_style((1, 4, 4), 3)
-                opt = build_optimizer(cfg.optim, model.parameters())
-                TrainStep(
-                    cfg=cfg.train,
-                    model=model,
-                    optimizer=opt,
-                    scheduler=build_scheduler(cfg.sched, opt, 1, 1),
-                    scaler=make_scaler(cfg.train, "cpu"),
-                    task=task,
-                )(batch, 12)
+                step, model = _step(task, micro, lambda: plugins.hf_style((1, 4, 4), 3), lr=0.5)
+                step(batch, 12)
                 results[name, micro] = model.head.weight.detach().clone()
         exact_gap = (results["exact", None] - results["exact", 4]).abs().max().item()
         adapter_gap = (results["adapter", None] - results["adapter", 4]).abs().max().item()

@@ -63,11 +63,20 @@ def stall_bound(stall_s: float | None, timeout_s: float, slowest_step_s: float |
 # --- where a thread is --------------------------------------------------------------------------
 
 _TRAINER = os.path.dirname(os.path.abspath(__file__))
-_LIBRARIES = tuple(
-    os.path.dirname(p)
-    for p in {os.__file__, getattr(sys.modules.get("torch"), "__file__", None) or ""}
-    if p
-)
+
+
+def _is_library(path: str) -> bool:
+    """A frame of the standard library, torch or numpy (looked up when asked: torch may be
+    imported after this module), not the user's; a user's package installed in site-packages
+    (the image pip-installs yours) stays the user's."""
+    stdlib = os.path.dirname(os.__file__)
+    if path.startswith(stdlib) and not any(d in path for d in ("site-packages", "dist-packages")):
+        return True
+    for name in ("torch", "numpy"):
+        module = sys.modules.get(name)
+        if getattr(module, "__file__", None) and path.startswith(os.path.dirname(module.__file__)):
+            return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -105,7 +114,7 @@ def activity(frames: list[Frame]) -> tuple[str, Frame | None]:
     """
     if not frames:
         return "unknown", None
-    own = [f for f in frames if not f.file.startswith((_TRAINER, "<", *_LIBRARIES))]
+    own = [f for f in frames if not (f.file.startswith((_TRAINER, "<")) or _is_library(f.file))]
     mine = [f for f in frames if _in_trainer(f)]
     where = own[-1] if own else (mine[-1] if mine else frames[-1])
     names = [f.func for f in frames]
