@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import os
 import re
@@ -354,9 +355,12 @@ def _load(config, overrides, values=None, values_source="values") -> Config:
     from omegaconf.errors import OmegaConfBaseException
 
     schema = _schema()
-    merged = schema
-    for source, layer in _layer_for(config):
-        merged = _merge(schema, merged, source, layer)
+    if config is None or config in presets():
+        merged = _preset_merged(config or DEFAULT_PRESET)  # shared: merges below copy it
+    else:
+        merged = schema
+        for source, layer in _layer_for(config):
+            merged = _merge(schema, merged, source, layer)
     if values:
         try:
             layer = OmegaConf.create(values)
@@ -371,6 +375,8 @@ def _load(config, overrides, values=None, values_source="values") -> Config:
             merged, cli = OmegaConf.merge(merged, *(layer for _, layer in cli)), []
     for source, layer in cli:
         merged = _merge(schema, merged, source, layer)
+    if merged is _preset_merged(config or DEFAULT_PRESET):  # nothing merged over it: a copy
+        merged = copy.deepcopy(merged)
     try:
         OmegaConf.resolve(merged)
         cfg = OmegaConf.to_object(merged)
@@ -390,6 +396,16 @@ def _merge(schema, merged, source: str, layer):
         return OmegaConf.merge(merged, layer)
     except (OmegaConfBaseException, TypeError, ValueError) as e:  # TypeError: list <- dict
         raise _merge_error(e, schema, source, _culprit(schema, layer)) from None
+
+
+@functools.cache
+def _preset_merged(name: str):
+    """The schema with a packaged preset merged over it, once per process (a merge copies the
+    whole config: ~10 ms of every load); never changed: what is merged over it is a copy."""
+    merged = _schema()
+    for source, layer in _layer_for(name):
+        merged = _merge(_schema(), merged, source, layer)
+    return merged
 
 
 @functools.lru_cache(maxsize=1)
