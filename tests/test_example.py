@@ -67,19 +67,20 @@ def test_the_example_learns_with_its_own_loss_and_metrics(one_process):
     assert run["data"]["users"] == 600 and run["data"]["items"] == 400
 
 
-def test_its_script_on_two_ranks_killed_and_restarted_ends_bitwise_equal_to_one_process(
+def test_its_script_on_two_ranks_killed_twice_and_restarted_ends_bitwise_equal_to_one_process(
     one_process, ratings_data, tmp_path
 ):
-    """train.py (trainer.fit) under the real torchrun on 2 ranks, rank 1 SIGKILLed after the
-    first checkpoint, the group restarted by torchrun: it resumes and ends with the weights and
-    metrics of `trainer train --config` in one process, to the bit. No run_dir: the restarted
-    group finds the folder rank 0 chose the first time (by torchrun's run id), not a new one."""
+    """train.py (trainer.fit) under the real torchrun on 2 ranks: rank 1 SIGKILLed after the
+    first checkpoint, then rank 0 of the group torchrun restarted, after that group's first
+    checkpoint. Each restarted group resumes from the newest checkpoint, and the run ends with
+    the weights and metrics of `trainer train --config` in one process, to the bit. No run_dir:
+    each restarted group finds the folder rank 0 chose the first time (by torchrun's run id)."""
     folders = lambda: list((tmp_path / "runs" / "ratings").glob("*"))  # noqa: E731
     cmd = [
         str(BIN / "torchrun"),
         "--standalone",
         "--nproc-per-node=2",
-        "--max-restarts=1",
+        "--max-restarts=2",
         "--monitor-interval=0.2",
         str(EXAMPLE / "train.py"),
         *SHORT,
@@ -89,10 +90,20 @@ def test_its_script_on_two_ranks_killed_and_restarted_ends_bitwise_equal_to_one_
         cmd, env=env(), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        wait_for(lambda: folders() and checkpoints(folders()[0]), 120, "a checkpoint", proc)
-        workers = children(proc.pid)
-        assert len(workers) == 2, workers
-        os.kill(max(workers), signal.SIGKILL)
+        seen = None
+        for kill in range(2):  # rank 1, then rank 0 of the restarted group
+            newest = wait_for(
+                lambda seen=seen: (
+                    folders() and (c := checkpoints(folders()[0])) and c[-1] != seen and c[-1]
+                ),
+                120,
+                f"a new checkpoint before kill {kill + 1}",
+                proc,
+            )
+            seen = newest
+            workers = children(proc.pid)
+            assert len(workers) == 2, workers
+            os.kill(max(workers) if kill == 0 else min(workers), signal.SIGKILL)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -101,7 +112,7 @@ def test_its_script_on_two_ranks_killed_and_restarted_ends_bitwise_equal_to_one_
     (run_dir,) = folders()  # one folder for both attempts
     summary = json.loads((run_dir / "summary.json").read_text())
     reference = json.loads((one_process / "summary.json").read_text())
-    assert summary["restart_count"] == 1 and out.count("resumed from") == 1
+    assert summary["restart_count"] == 2 and out.count("resumed from") == 2
     assert summary["world_size"] == 2 and summary["steps"] == reference["steps"]
     assert summary["eval"] == reference["eval"]
     w, ref = weights(run_dir), weights(one_process)
