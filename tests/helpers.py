@@ -15,7 +15,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# A small digits MLP: 3 epochs x 23 steps, a loss record per step, a checkpoint every 10 steps.
+# A small digits MLP: 3 epochs x 23 steps, a loss record per step, a checkpoint every 10 steps
+# and at each epoch's end (the digits preset saves every 5 epochs).
 # slow_mlp with delay 0 is the plain MLP; tests that need time to act mid-run raise the delay.
 REFERENCE = [
     "model.name=tests.helpers:slow_mlp",
@@ -23,6 +24,7 @@ REFERENCE = [
     "train.epochs=3",
     "log.every_steps=1",
     "ckpt.every_steps=10",
+    "ckpt.every_epochs=1",
     "ckpt.keep_last=100",
     "log.progress=plain",
 ]
@@ -42,13 +44,16 @@ TINY_GPT = [
     "log.every_steps=1",
     "log.progress=plain",
     "log.tensorboard=false",
+    "ckpt.every_epochs=1",
 ]
 BIN = Path(sys.executable).parent
-# The 9-sample dataset below and its model; global batch 4 leaves a 1-sample last batch.
+# The 9-sample dataset below and its model; global batch 4 leaves a 1-sample last batch. A
+# checkpoint at each epoch's end (3 steps), as tests that stop or kill a run mid-way expect.
 TINY = [
     "data.name=tests.helpers:tiny",
     "model.name=tests.helpers:tiny_model",
     "data.global_batch_size=4",
+    "ckpt.every_epochs=1",
 ]
 
 

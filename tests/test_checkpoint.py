@@ -494,3 +494,22 @@ def test_a_failed_save_does_not_count_and_the_epoch_end_at_its_step_saves(tmp_pa
     assert failed == [6]
     assert (6, "every_epochs") in _saves(run)  # the epoch end tried again, and it held
     assert 6 in [s for s, _ in store.list_checkpoints(str(run / "checkpoints"))]
+
+
+def test_the_presets_with_short_epochs_save_when_they_evaluate():
+    """digits and diabetes epochs take a fraction of a second: a save per epoch cost 10% of the
+    default run (bench: default checkpoints / none). They save every 5 epochs, with the eval."""
+    from trainer.loop import should_save
+
+    for preset in ("digits-mlp", "digits-lenet", "diabetes-mlp"):
+        cfg = config.load(preset, [])
+        assert cfg.ckpt.every_epochs == cfg.train.eval_every_epochs == 5, preset
+        epochs, per_epoch = cfg.train.epochs, 23
+        total = epochs * per_epoch
+        saved = [
+            e
+            for e in range(1, epochs + 1)
+            if should_save(cfg.ckpt, step=e * per_epoch, total_steps=total, epoch_done=e)
+        ]
+        assert saved == list(range(5, epochs, 5)), preset  # the last epoch: the final save
+    assert config.load(None, []).ckpt.every_epochs == 5  # digits-mlp is the default config
