@@ -188,6 +188,13 @@ def cpu_rows() -> list[Row]:
         Row(
             "trainer, 2 processes, default checkpoints",
             "trainer",
+            tuple(a for a in mlp if a != "ckpt.every_epochs=0"),  # the preset's cadence
+            2,
+            group=g_mlp,
+        ),
+        Row(
+            "trainer, 2 processes, a save every epoch",
+            "trainer",
             (*mlp, "ckpt.every_epochs=1"),
             2,
             group=g_mlp,
@@ -323,6 +330,12 @@ CPU_RATIOS = [
         "trainer, 2 processes, default checkpoints",
         "trainer, 2 processes (DDP, gloo)",
         0.97,
+    ),
+    (
+        "a save every epoch / none, world 2",
+        "trainer, 2 processes, a save every epoch",
+        "trainer, 2 processes (DDP, gloo)",
+        None,
     ),
     (
         "MLP world 2 / world 1, trainer",
