@@ -86,7 +86,7 @@ test: setup  ## the whole test suite (what CI runs)
 	$(BIN)/pytest $(XDIST) -m "not serial" $(PYTEST_ARGS)
 	$(BIN)/pytest -m serial $(PYTEST_ARGS)
 
-test-quick: setup  ## the suite without the tests marked slow (under 3 minutes: the edit-test loop)
+test-quick: setup  ## the suite without the tests marked slow (about 5 minutes here: the edit-test loop)
 	$(BIN)/pytest $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~14 min; 12 GB free disk, ~10 GB used at peak)
