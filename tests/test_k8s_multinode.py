@@ -148,6 +148,14 @@ class Cluster:
         self.start_all()
         return [self.wait(i) for i in range(len(self.pods))]
 
+    def run_to_end(self) -> tuple[list[int], float]:
+        """run_all, then close what is left however it ended: (exit codes, seconds taken)."""
+        started = time.monotonic()
+        try:
+            return self.run_all(), time.monotonic() - started
+        finally:
+            self.close()
+
     def kill(self, i: int) -> None:
         """The pod is lost: SIGKILL to its PID namespace, every process in it at once."""
         self.procs[i].kill()
@@ -252,12 +260,7 @@ def test_cpu_smoke_trains_across_two_network_namespaces_like_a_local_run(tmp_pat
     pods = kube.pods(kube.render(OVERLAY))
     with _network(pods) as net:
         cluster = Cluster(tmp_path, net)
-        try:
-            started = time.monotonic()
-            codes = cluster.run_all()
-            wall = time.monotonic() - started
-        finally:
-            cluster.close()
+        codes, wall = cluster.run_to_end()
     assert codes == [0] * len(pods), cluster.logs()
     for i in range(len(pods)):  # what each pod's trainer-launch worked out
         log = cluster.log(i)
@@ -363,10 +366,7 @@ def test_the_gpt_with_fsdp_trains_across_the_pods_with_shards_on_shared_storage(
     (tmp_path / "pods").mkdir()
     with _network(pods) as net:
         cluster = Cluster(tmp_path / "pods", net, {"TRAIN_ARGS": GPT_FSDP})
-        try:
-            codes = cluster.run_all()
-        finally:
-            cluster.close()
+        codes, _ = cluster.run_to_end()
     assert codes == [0] * len(pods), cluster.logs()
     run_dir = cluster.run_dir
     step = run_dir / "checkpoints" / "step-000000012"
@@ -419,12 +419,7 @@ def test_the_ratings_example_overlay_trains_across_two_pods_bitwise_like_one_pro
             image_files=files,
             extra_args=tuple(ratings.SHORT),
         )
-        try:
-            started = time.monotonic()
-            codes = cluster.run_all()
-            wall = time.monotonic() - started
-        finally:
-            cluster.close()
+        codes, wall = cluster.run_to_end()
     assert codes == [0] * len(pods), cluster.logs()
     assert cluster.argv[0][:3] == [
         "trainer-launch",
