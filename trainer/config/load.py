@@ -355,8 +355,9 @@ def _load(config, overrides, values=None, values_source="values") -> Config:
     from omegaconf.errors import OmegaConfBaseException
 
     schema = _schema()
+    shared = None  # a packaged preset's cached merge: never changed, merges below copy it
     if config is None or config in presets():
-        merged = _preset_merged(config or DEFAULT_PRESET)  # shared: merges below copy it
+        merged = shared = _preset_merged(config or DEFAULT_PRESET)
     else:
         merged = schema
         for source, layer in _layer_for(config):
@@ -375,7 +376,7 @@ def _load(config, overrides, values=None, values_source="values") -> Config:
             merged, cli = OmegaConf.merge(merged, *(layer for _, layer in cli)), []
     for source, layer in cli:
         merged = _merge(schema, merged, source, layer)
-    if merged is _preset_merged(config or DEFAULT_PRESET):  # nothing merged over it: a copy
+    if merged is shared:  # nothing merged over it: a copy
         merged = copy.deepcopy(merged)
     try:
         OmegaConf.resolve(merged)
