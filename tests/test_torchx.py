@@ -107,7 +107,6 @@ def fail_once_mlp(in_shape, num_classes, hidden=(32,), dropout=0.0, delay=0.0):
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_stock_dist_ddp_runs_the_trainer_with_no_wrapper(tmp_path, reference_runs):
     run = tmp_path / "run"
     run_local_cwd(
