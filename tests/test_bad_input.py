@@ -784,7 +784,7 @@ def _printable(text: str) -> str:
 
 @pytest.fixture
 def clean_env(monkeypatch, tmp_path):
-    from trainer.errors import STATUS_DIR_ENV
+    from trainer.exitstatus import STATUS_DIR_ENV
     from trainer.ranks import TORCHRUN_VARS
 
     for name in (*TORCHRUN_VARS, STATUS_DIR_ENV):

@@ -152,7 +152,7 @@ def test_importing_the_package_does_no_work():
 
 
 def test_each_rank_leaves_its_exit_code_for_the_launcher(tmp_path):
-    from trainer.errors import node_exit_code, node_message
+    from trainer.exitstatus import node_exit_code, node_message
 
     for rank, args in (("0", ["config", "check", "optim.lrr=1"]), ("1", ["train", "--bogus"])):
         p = subprocess.run(
@@ -181,7 +181,7 @@ def _codes(folder, **codes):
 
 
 def test_the_node_reports_the_root_cause_of_the_last_attempt(tmp_path):
-    from trainer.errors import node_exit_code
+    from trainer.exitstatus import node_exit_code
 
     # attempt 0 had a config-looking failure; the last attempt (1) only a transient one
     _codes(tmp_path, **{"attempt-0_rank-0": 2, "attempt-1_rank-1": 4})
@@ -192,7 +192,7 @@ def test_the_node_reports_the_root_cause_of_the_last_attempt(tmp_path):
 
 
 def test_preempted_counts_only_when_the_node_itself_was_signalled(tmp_path):
-    from trainer.errors import node_exit_code
+    from trainer.exitstatus import node_exit_code
 
     # A rank was OOM-killed (no file); torchrun SIGTERMed the other, which checkpointed: 3.
     _codes(tmp_path, **{"attempt-0_rank-1": 3})

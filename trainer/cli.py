@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, report
+from trainer.errors import ExitCode, TrainerError, UsageError
+from trainer.exitstatus import record_exit, report
 
 EXIT_CODES = """exit codes:
   0  done
@@ -46,6 +47,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `trainer` parser: a subparser per command, each added by its _add_<command>_command."""
     parser = _Parser(
         prog="trainer",
         description="Reproducible PyTorch training: one process of a job, launched directly or by torchrun.",
@@ -54,7 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
+    _add_train_command(sub)
+    _add_eval_command(sub)
+    _add_export_command(sub)
+    _add_doctor_command(sub)
+    _add_config_command(sub)
+    _add_report_command(sub)
+    _add_data_command(sub)
+    _add_diagnose_command(sub)
+    return parser
 
+
+def _add_train_command(sub) -> None:
     p = sub.add_parser(
         "train",
         help="train a model (one rank of a job under torchrun)",
@@ -87,11 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_train)
 
+
+def _add_eval_command(sub) -> None:
     p = sub.add_parser("eval", help="evaluate saved weights on the test split")
     p.add_argument("src", help="a run directory, checkpoint directory or weights file")
     _add_config_args(p)
     p.set_defaults(func=_cmd_eval)
 
+
+def _add_export_command(sub) -> None:
     p = sub.add_parser("export", help="write plain safetensors weights (loadable without trainer)")
     p.add_argument(
         "src", help="a run directory, checkpoint directory, or .pt/.pth/.safetensors file"
@@ -99,10 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", help="output directory (default: SRC/export, or FILE-export)")
     p.set_defaults(func=_cmd_export)
 
+
+def _add_doctor_command(sub) -> None:
     p = sub.add_parser("doctor", help="check GPUs, NCCL/gloo, /dev/shm, ulimits, env, config, data")
     _add_config_args(p)
     p.set_defaults(func=_cmd_doctor)
 
+
+def _add_config_command(sub) -> None:
     p = sub.add_parser(
         "config",
         help="show, check, list or explain configs",
@@ -125,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(func=_cmd_config)
 
+
+def _add_report_command(sub) -> None:
     p = sub.add_parser(
         "report",
         help="plot runs' metrics (overlaid) and compare them in a Markdown table",
@@ -140,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_cmd_report)
 
+
+def _add_data_command(sub) -> None:
     p = sub.add_parser(
         "data",
         help="prepare data: tokenize text into token files for data.name=tokens",
@@ -165,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-seed", type=int, default=0, help="seed of the per-file split")
     p.set_defaults(func=_cmd_data)
 
+
+def _add_diagnose_command(sub) -> None:
     p = sub.add_parser(
         "diagnose",
         help="say again which rank stalled and where, from a run's diagnostics/ files",
@@ -174,7 +201,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run folder of the job that hung")
     p.set_defaults(func=_cmd_diagnose)
-    return parser
 
 
 def _is_rank0() -> bool:
@@ -257,7 +283,7 @@ def _cmd_eval(args) -> int:
     import json
 
     from trainer import startup
-    from trainer.evaluate import evaluate_saved
+    from trainer.run import evaluate_saved
 
     startup.settle()  # torch imported: the collector back on for the evaluation itself
     result = evaluate_saved(_config_for(args.src, args), args.src)

@@ -30,7 +30,7 @@ its annotations are `typing` generics TorchX's linter accepts, and its module-le
 """
 
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 try:
     from torchx import specs
@@ -108,12 +108,28 @@ def train(
             k8s/base/pvc.yaml creates; local_docker: a named volume); "" for none. A --mounts
             entry at /workspace/runs replaces it
     """
+    gpus = _gpus_per_node(gpu, h)
+    nproc = _procs_per_node(nnodes, nproc_per_node, gpus)
+    args = ["train", "--config", config, f"run_dir=runs/{specs.macros.app_id}", *overrides]
+    _check_config(config, args[3:], world_size=nnodes * nproc)
+    resources = _node_resources(h, cpu, gpu, memMB, gpus)
+    role = _role(nnodes, nproc, max_restarts, max_retries, rdzv_port, env, mounts, runs_volume)
+    return _torchx_dist.ddp(*args, m="trainer", image=image, name=name, **resources, **role)
+
+
+def _gpus_per_node(gpu: int, h: Optional[str]) -> int:
+    """--gpu, or the GPUs of the named resource -h (a usage error if TorchX knows no such name)."""
     gpus = gpu
     if h is not None:
         try:
             gpus = specs.resource(h=h).gpu
         except KeyError as e:
             _check(False, f"-h {h}: {e.args[0] if e.args else e}")
+    return gpus
+
+
+def _procs_per_node(nnodes: int, nproc_per_node: int, gpus: int) -> int:
+    """--nproc_per_node (0: one per GPU, else 1), checked against the nodes and the GPUs."""
     nproc = nproc_per_node or gpus or 1
     _check(nnodes >= 1, f"--nnodes {nnodes}: use 1 or more nodes")
     _check(nproc >= 1, f"--nproc_per_node {nproc}: use 1 or more processes (0: one per GPU)")
@@ -122,39 +138,46 @@ def train(
         f"--nproc_per_node {nproc} but {gpus} GPU(s) per node: use at most one process per GPU "
         "(or no GPUs and dist.device=cpu)",
     )
-    args = ["train", "--config", config, f"run_dir=runs/{specs.macros.app_id}", *overrides]
-    _check_config(config, args[3:], world_size=nnodes * nproc)
+    return nproc
 
+
+def _node_resources(h: Optional[str], cpu: int, gpu: int, memMB: int, gpus: int) -> Dict[str, Any]:
+    """dist.ddp's resource arguments: CPUs and memory sized for the node's GPUs unless given."""
+    cpu = cpu or max(DEFAULT_CPU, CPU_PER_GPU * gpus)
+    memMB = memMB or DEFAULT_MEM_MB + MEM_MB_PER_GPU * gpus
+    _check(cpu >= 1, f"--cpu {cpu}: use 1 or more CPUs per node (0: 2, or 4 per GPU)")
+    _check(memMB >= 256, f"--memMB {memMB}: use 256 MB or more (0: 4096 plus 16384 per GPU)")
+    return {"h": h, "cpu": cpu, "gpu": gpu, "memMB": memMB}
+
+
+def _role(
+    nnodes: int,
+    nproc: int,
+    max_restarts: int,
+    max_retries: int,
+    rdzv_port: int,
+    env: Optional[Dict[str, str]],
+    mounts: Optional[List[str]],
+    runs_volume: str,
+) -> Dict[str, Any]:
+    """dist.ddp's arguments for the replicas: their shape, restarts, environment and mounts."""
     role_env = dict(TORCH_ENV)
     role_env["PET_MAX_RESTARTS"] = str(max_restarts)
     if nnodes > 1:
         timeout = DEFAULT_JOIN_TIMEOUT_S
         role_env["PET_RDZV_CONF"] = f"join_timeout={timeout},read_timeout={timeout}"
     role_env.update(env or {})
-    cpu = cpu or max(DEFAULT_CPU, CPU_PER_GPU * gpus)
-    memMB = memMB or DEFAULT_MEM_MB + MEM_MB_PER_GPU * gpus
-    _check(cpu >= 1, f"--cpu {cpu}: use 1 or more CPUs per node (0: 2, or 4 per GPU)")
-    _check(memMB >= 256, f"--memMB {memMB}: use 256 MB or more (0: 4096 plus 16384 per GPU)")
-    mounts = list(
-        mounts or []
-    )  # option tokens, as TorchX splits --mounts: type=..., src=..., dst=...
+    # Option tokens, as TorchX splits --mounts: type=..., src=..., dst=...
+    mounts = list(mounts or [])
     if runs_volume and RUNS_DIR not in _mount_dsts(mounts):
         mounts += ["type=volume", f"src={runs_volume}", f"dst={RUNS_DIR}"]
-    return _torchx_dist.ddp(
-        *args,
-        m="trainer",
-        image=image,
-        name=name,
-        h=h,
-        cpu=cpu,
-        gpu=gpu,
-        memMB=memMB,
-        j=f"{nnodes}x{nproc}",
-        env=role_env,
-        max_retries=max_retries,
-        rdzv_port=rdzv_port,
-        mounts=mounts,
-    )
+    return {
+        "j": f"{nnodes}x{nproc}",
+        "env": role_env,
+        "max_retries": max_retries,
+        "rdzv_port": rdzv_port,
+        "mounts": mounts,
+    }
 
 
 def _mount_dsts(mounts: List[str]) -> List[str]:

@@ -41,8 +41,9 @@ _FILE = {"loss": "loss", "lr": "lr", "samples_per_s": "throughput"}
 
 
 @dataclass
-class Run:
-    """What a run directory holds, as read from its files."""
+class RunMetrics:
+    """What a run directory holds, as read from its files (its metrics, summary.json and
+    run.json): one run as the report sees it, not trainer.run.Run, the run being trained."""
 
     path: str
     world_size: int | None
@@ -135,7 +136,7 @@ def _last_per_step(records: list[dict]) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def load_run(path: str) -> Run:
+def load_run(path: str) -> RunMetrics:
     """Read a run directory; UsageError (one line: the problem and the fix) if it is not one."""
     if not os.path.exists(path):
         raise UsageError(f"{path}: no such directory: give the run_dir of a `trainer train` run")
@@ -158,7 +159,7 @@ def load_run(path: str) -> Run:
     summary = _read_json(os.path.join(path, "summary.json"))
     info = summary or _read_json(os.path.join(path, "run.json")) or {}
     world = info.get("world_size")
-    return Run(
+    return RunMetrics(
         path=path,
         world_size=world if isinstance(world, int) else None,
         strategy=info.get("strategy") if isinstance(info.get("strategy"), str) else None,
@@ -169,10 +170,10 @@ def load_run(path: str) -> Run:
     )
 
 
-def label_runs(runs: list[Run]) -> None:
+def label_runs(runs: list[RunMetrics]) -> None:
     """Short legend labels: the directory name and world size ("lr-0.1 w2"), made unique."""
 
-    def label(run: Run, name: str) -> str:
+    def label(run: RunMetrics, name: str) -> str:
         return f"{name} w{run.world_size}" if run.world_size is not None else name
 
     labels = [label(r, r.name) for r in runs]
@@ -189,7 +190,7 @@ def label_runs(runs: list[Run]) -> None:
         run.label = text
 
 
-def train_keys(runs: list[Run]) -> list[str]:
+def train_keys(runs: list[RunMetrics]) -> list[str]:
     """The numeric per-step train fields any run logged, known ones first."""
     found = []
     for run in runs:
@@ -200,7 +201,7 @@ def train_keys(runs: list[Run]) -> list[str]:
     return [k for k in _KNOWN if k in found] + [k for k in found if k not in _KNOWN]
 
 
-def eval_keys(runs: list[Run]) -> list[str]:
+def eval_keys(runs: list[RunMetrics]) -> list[str]:
     """The eval.* metrics any run logged, loss first."""
     found = []
     for run in runs:
@@ -233,7 +234,7 @@ def _positive_and_wide(values: list[float]) -> bool:
     return bool(values) and min(values) > 0 and max(values) / min(values) > 10
 
 
-def figures(runs: list[Run]) -> dict[str, object]:
+def figures(runs: list[RunMetrics]) -> dict[str, object]:
     """{file name: matplotlib Figure}: one figure per quantity, every run that has it overlaid."""
     from matplotlib.figure import Figure
     from matplotlib.ticker import PercentFormatter, StrMethodFormatter
@@ -284,7 +285,7 @@ def figures(runs: list[Run]) -> dict[str, object]:
     return out
 
 
-def rank_tables(runs: list[Run]) -> list[tuple[Run, list[dict]]]:
+def rank_tables(runs: list[RunMetrics]) -> list[tuple[RunMetrics, list[dict]]]:
     """(run, summary.json's per-rank rows) for the runs of more than one rank that have them."""
     found = []
     for run in runs:
@@ -294,7 +295,7 @@ def rank_tables(runs: list[Run]) -> list[tuple[Run, list[dict]]]:
     return found
 
 
-def rank_panel(runs: list[Run]):
+def rank_panel(runs: list[RunMetrics]):
     """Per rank, mean forward and data-wait milliseconds a step, one panel per run; a rank named
     a straggler has its bar outlined in red and labelled. None if no run has several ranks."""
     from matplotlib.figure import Figure
@@ -346,22 +347,37 @@ def _fmt(v: float | None, digits: int = 4) -> str:
     return f"{v:.{digits}g}"
 
 
-def markdown(runs: list[Run], images: list[str]) -> str:
-    """report.md: a table row per run, ratios of median throughput to the first run's, the plots."""
-    evals = eval_keys(runs)
-    has_tokens = any(r.median("tokens_per_s") is not None for r in runs)
-    has_mfu = any(r.median("mfu") is not None for r in runs)
-    base = runs[0].median("samples_per_s")
-    head = ["run", "world size", "strategy", "steps", "final train loss"]
-    head += [f"final eval {k.removeprefix('eval.')}" for k in evals]
-    head += ["median samples/s", "vs first"]
-    head += ["median tokens/s"] if has_tokens else []
-    head += ["train time (s)"]
-    head += ["median MFU"] if has_mfu else []
-    rows = []
-    for run in runs:
+@dataclass(frozen=True)
+class _Columns:
+    """The columns of report.md's table of runs: the optional ones only when some run logged
+    them, and the first run's median throughput, which the "vs first" ratios divide by."""
+
+    evals: list[str]
+    tokens: bool
+    mfu: bool
+    base: float | None
+
+    @classmethod
+    def of(cls, runs: list[RunMetrics]) -> _Columns:
+        return cls(
+            evals=eval_keys(runs),
+            tokens=any(r.median("tokens_per_s") is not None for r in runs),
+            mfu=any(r.median("mfu") is not None for r in runs),
+            base=runs[0].median("samples_per_s"),
+        )
+
+    def head(self) -> list[str]:
+        head = ["run", "world size", "strategy", "steps", "final train loss"]
+        head += [f"final eval {k.removeprefix('eval.')}" for k in self.evals]
+        head += ["median samples/s", "vs first"]
+        head += ["median tokens/s"] if self.tokens else []
+        head += ["train time (s)"]
+        head += ["median MFU"] if self.mfu else []
+        return head
+
+    def row(self, run: RunMetrics) -> list[str]:
         median = run.median("samples_per_s")
-        ratio = f"{median / base:.2f}x" if median is not None and base else "–"
+        ratio = f"{median / self.base:.2f}x" if median is not None and self.base else "–"
         steps = run.summary.get("steps") if run.summary else None
         steps = steps if isinstance(steps, int) else run.train[-1]["step"]
         train_time = run.summary.get("train_time_s") if run.summary else None
@@ -372,20 +388,28 @@ def markdown(runs: list[Run], images: list[str]) -> str:
             str(steps),
             _fmt(run.last("loss")),
         ]
-        row += [_fmt(run.last(k, "eval")) for k in evals]
+        row += [_fmt(run.last(k, "eval")) for k in self.evals]
         row += [_fmt(median), ratio]
-        row += [_fmt(run.median("tokens_per_s"))] if has_tokens else []
+        row += [_fmt(run.median("tokens_per_s"))] if self.tokens else []
         row += [f"{train_time:.1f}" if _number(train_time) else "– (unfinished)"]
-        if has_mfu:
+        if self.mfu:
             mfu = run.median("mfu")
             row += ["–" if mfu is None else f"{mfu:.1%}" if mfu <= 1 else _fmt(mfu)]
-        rows.append(row)
-    lines = [
-        "# Training report",
-        "",
-        "| " + " | ".join(head) + " |",
-        "| " + " | ".join("---" if i < 3 else "---:" for i in range(len(head))) + " |",
-        *("| " + " | ".join(row) + " |" for row in rows),
+        return row
+
+
+def _table_line(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _runs_table(runs: list[RunMetrics]) -> list[str]:
+    """The table of runs (a row per run), what its columns mean, and each run's folder."""
+    columns = _Columns.of(runs)
+    head = columns.head()
+    return [
+        _table_line(head),
+        _table_line("---" if i < 3 else "---:" for i in range(len(head))),
+        *(_table_line(columns.row(run)) for run in runs),
         "",
         "Final train loss: the last train record (mean over its logging window). Final eval: the "
         "last evaluation. Medians are over the logged windows (the first includes warm-up). "
@@ -396,22 +420,33 @@ def markdown(runs: list[Run], images: list[str]) -> str:
         "",
         *(f"- {run.label}: `{run.path}`" for run in runs),
     ]
-    for run, rows in rank_tables(runs):
-        lines += [
-            "",
-            f"Per rank, {run.label} (mean ms a step; a straggler is slow for several windows):",
-            "",
-            "| rank | node | host | forward | data wait | straggler |",
-            "| ---: | ---: | --- | ---: | ---: | --- |",
+
+
+def _rank_table(run: RunMetrics, rows: list[dict]) -> list[str]:
+    """One run's per-rank table (summary.json's ranks), a straggler named in its own column."""
+    lines = [
+        "",
+        f"Per rank, {run.label} (mean ms a step; a straggler is slow for several windows):",
+        "",
+        "| rank | node | host | forward | data wait | straggler |",
+        "| ---: | ---: | --- | ---: | ---: | --- |",
+    ]
+    for r in rows:
+        cells = [r.get("rank"), r.get("node", "–"), r.get("host", "–")]
+        cells += [
+            _fmt(r.get("forward_ms_per_step"), 3),
+            _fmt(r.get("data_wait_ms_per_step"), 3),
         ]
-        for r in rows:
-            cells = [r.get("rank"), r.get("node", "–"), r.get("host", "–")]
-            cells += [
-                _fmt(r.get("forward_ms_per_step"), 3),
-                _fmt(r.get("data_wait_ms_per_step"), 3),
-            ]
-            cells.append(", ".join(r.get("straggler") or []) or "–")
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        cells.append(", ".join(r.get("straggler") or []) or "–")
+        lines.append(_table_line(cells))
+    return lines
+
+
+def markdown(runs: list[RunMetrics], images: list[str]) -> str:
+    """report.md: a table row per run, ratios of median throughput to the first run's, the plots."""
+    lines = ["# Training report", "", *_runs_table(runs)]
+    for run, rows in rank_tables(runs):
+        lines += _rank_table(run, rows)
     notes = [n for run in runs for n in run.notes]
     if notes:
         lines += ["", "Notes:", "", *(f"- {n.removeprefix('note: ')}" for n in notes)]

@@ -21,7 +21,8 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping, Sequence
 
-from trainer.errors import ExitCode, TrainerError, UsageError, record_exit, report
+from trainer.errors import ExitCode, TrainerError, UsageError
+from trainer.exitstatus import record_exit, report
 
 GIVEN = "<fit>"
 """The module part of a recorded name for an object only the calling script can hand over (a

@@ -1,8 +1,8 @@
 """The config: a typed schema merged from defaults < preset < --config file < CLI key=value.
 
-schema.py   the dataclasses (every field a default and a docstring) and `walk`, the one
-            walker of their fields
-ranges.py   the table of numeric ranges and non-empty strings, the checks and hints on it
+schema.py   the dataclasses (every field a default and a docstring), `walk`, the one walker
+            of their fields, and the checks and hints built on ranges.py's tables
+ranges.py   the table of numeric ranges, non-empty strings and paths (imports no schema)
 rules.py    the strategy and world-size rules (no torch: `config check` applies them too)
 load.py     merging the layers; every mistake a one-line UsageError naming the fix
 explain.py  `trainer config explain`: each key's docstring (read from schema.py), type, range,
@@ -10,7 +10,7 @@ explain.py  `trainer config explain`: each key's docstring (read from schema.py)
 """
 
 from trainer.config.load import load, presets, to_dict, to_yaml
-from trainer.config.ranges import MAX_SEED, NONEMPTY, RANGES, Range, example, range_hint
+from trainer.config.ranges import MAX_SEED, NONEMPTY, RANGES, Range
 from trainer.config.rules import check_world_size, resolve_strategy
 from trainer.config.schema import (
     DEFAULT_PRESET,
@@ -32,6 +32,8 @@ from trainer.config.schema import (
     TextConfig,
     TokensConfig,
     TrainConfig,
+    example,
+    range_hint,
     walk,
 )
 

@@ -10,8 +10,7 @@ import os
 import re
 from importlib import resources
 
-from trainer.config.ranges import example, range_hint
-from trainer.config.schema import DEFAULT_PRESET, Config
+from trainer.config.schema import DEFAULT_PRESET, Config, example, range_hint
 from trainer.config.schema import fields as schema_fields
 from trainer.errors import ConfigError, UsageError, did_you_mean, first_line, shorten
 

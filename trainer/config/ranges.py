@@ -1,14 +1,11 @@
-"""The one table of numeric ranges (and of strings that must not be empty) for the schema's
-fields, and the checks and hints built on it."""
+"""The one table of numeric ranges (and of strings that must not be empty, and of strings that
+are paths) for the schema's fields. It imports nothing of the schema: schema.py checks its
+fields against these tables (check_fields) and builds the hints on them (range_hint, example)."""
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
-from typing import Any
-
-from trainer.errors import UsageError, shorten
 
 MAX_SEED = 2**63 - 1
 """Seeds go to torch.manual_seed and numpy's SeedSequence: non-negative 64-bit integers."""
@@ -141,61 +138,6 @@ def path_problem(value: str) -> str | None:
     return None
 
 
-def _number_text(value) -> str:
-    """repr of a number or a list of them, short: Python refuses str() of an int over 4,300
-    digits, and a line should not hold one."""
-    try:
-        return shorten(repr(value))
-    except ValueError:  # int too long for str()
-        return "an integer of more than 4,300 digits"
-
-
 def _shown(raw: bytes) -> str:
     text = raw.decode("utf-8", "backslashreplace")
     return f"'{text[:20]}...'" if len(text) > 20 else f"'{text}'"
-
-
-def example(key: str) -> str:
-    """`key=<its default>`: a value the schema accepts, to show in an error."""
-    from trainer.config.schema import defaults
-
-    node = defaults().get(key)
-    if isinstance(node, list):
-        node = "[" + ",".join(map(str, node)) + "]"
-    if isinstance(node, bool):
-        node = str(node).lower()
-    return f"{key}={'null' if node is None else node}"
-
-
-def range_hint(key: str) -> str:
-    """' (needs a number >= lo and <= hi, e.g. key=default)' for a key of RANGES, else ''."""
-    key = re.sub(r"\[\d+\]$", "", key)
-    if key not in RANGES:
-        return ""
-    from trainer.config.schema import defaults
-
-    items = " for each item" if isinstance(defaults().get(key), list) else ""
-    return f" (needs a number {RANGES[key]}{items}, e.g. {example(key)})"
-
-
-def check_fields(obj: Any, prefix: str) -> None:
-    """Check the direct numeric and string fields of one schema dataclass against the tables."""
-    from trainer.config.schema import walk
-
-    for f in walk(obj, prefix, nested=False):
-        key, value = f.key, f.value
-        if isinstance(value, str) and key in NONEMPTY and not value.strip():
-            raise UsageError(f"{key}: must not be empty; e.g. {example(key)}")
-        if isinstance(value, str) and key in PATHS and (problem := path_problem(value)):
-            what = "the run's folder name (runs/<name>/)" if key == "name" else "a path"
-            raise UsageError(f"{key}: {what} {problem}")
-        values = value if isinstance(value, list) else [value]
-        for v in values:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or key not in RANGES:
-                continue
-            if v not in RANGES[key]:
-                each = " for each item" if isinstance(value, list) else ""
-                shown = _number_text(value if isinstance(value, list) else v)
-                raise UsageError(
-                    f"{key}: must be {RANGES[key]}{each}, got {shown}; e.g. {example(key)}"
-                )

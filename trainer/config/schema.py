@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import typing
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config.ranges import check_fields
-from trainer.errors import ConfigError, UsageError, check_choice
+from trainer.config.ranges import NONEMPTY, PATHS, RANGES, path_problem
+from trainer.errors import ConfigError, UsageError, check_choice, shorten
 
 DEFAULT_PRESET = "digits-mlp"
 
@@ -511,3 +512,57 @@ def fields() -> tuple[Field, ...]:
 def defaults() -> dict[str, Any]:
     """Dotted key -> default value, for every field of the schema."""
     return {f.key: f.value for f in fields()}
+
+
+# ---------------------------------------------------------------------------------------------
+# The fields against ranges.py's tables: the checks every section's __post_init__ runs, and the
+# hints an error shows (a key's range, a value the schema accepts).
+
+
+def _number_text(value) -> str:
+    """repr of a number or a list of them, short: Python refuses str() of an int over 4,300
+    digits, and a line should not hold one."""
+    try:
+        return shorten(repr(value))
+    except ValueError:  # int too long for str()
+        return "an integer of more than 4,300 digits"
+
+
+def example(key: str) -> str:
+    """`key=<its default>`: a value the schema accepts, to show in an error."""
+    node = defaults().get(key)
+    if isinstance(node, list):
+        node = "[" + ",".join(map(str, node)) + "]"
+    if isinstance(node, bool):
+        node = str(node).lower()
+    return f"{key}={'null' if node is None else node}"
+
+
+def range_hint(key: str) -> str:
+    """' (needs a number >= lo and <= hi, e.g. key=default)' for a key of RANGES, else ''."""
+    key = re.sub(r"\[\d+\]$", "", key)
+    if key not in RANGES:
+        return ""
+    items = " for each item" if isinstance(defaults().get(key), list) else ""
+    return f" (needs a number {RANGES[key]}{items}, e.g. {example(key)})"
+
+
+def check_fields(obj: Any, prefix: str) -> None:
+    """Check the direct numeric and string fields of one schema dataclass against the tables."""
+    for f in walk(obj, prefix, nested=False):
+        key, value = f.key, f.value
+        if isinstance(value, str) and key in NONEMPTY and not value.strip():
+            raise UsageError(f"{key}: must not be empty; e.g. {example(key)}")
+        if isinstance(value, str) and key in PATHS and (problem := path_problem(value)):
+            what = "the run's folder name (runs/<name>/)" if key == "name" else "a path"
+            raise UsageError(f"{key}: {what} {problem}")
+        values = value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or key not in RANGES:
+                continue
+            if v not in RANGES[key]:
+                each = " for each item" if isinstance(value, list) else ""
+                shown = _number_text(value if isinstance(value, list) else v)
+                raise UsageError(
+                    f"{key}: must be {RANGES[key]}{each}, got {shown}; e.g. {example(key)}"
+                )

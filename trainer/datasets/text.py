@@ -16,7 +16,7 @@ import sysconfig
 import numpy as np
 import torch
 
-from trainer.config import DataConfig
+from trainer.config import DataConfig, TextConfig
 from trainer.data import DataSpec
 from trainer.errors import UsageError
 
@@ -89,26 +89,27 @@ def is_test_file(relpath: str, test_fraction: float, split_seed: int) -> bool:
     return int.from_bytes(digest[:8], "big") / 2**64 < test_fraction
 
 
-def text(cfg: DataConfig, seed: int) -> DataSpec:
-    """data.name=text: data.text.path (a file or folder), or the Python standard library."""
-    t = cfg.text
+def _corpus(t: TextConfig) -> tuple[str, list[str], str]:
+    """(root, its files as relative paths, the corpus's name) of data.text.path, or of the
+    Python standard library when it is unset."""
     if t.path is None:
-        root, files, corpus = stdlib_root(), None, "python-stdlib"
-        files = stdlib_files(root)
-    else:
-        root, corpus = os.path.abspath(t.path), t.path
-        if os.path.isfile(root):
-            files = [os.path.basename(root)]
-            root = os.path.dirname(root)
-        elif os.path.isdir(root):
-            files = folder_files(root)
-        else:
-            raise UsageError(
-                f"data.text.path={t.path}: no such file or folder: point it at a text file or a "
-                "folder of them (or leave it unset for the built-in Python standard library corpus)"
-            )
-    if not files:
-        raise UsageError(f"data.text.path={t.path}: the folder holds no files")
+        root = stdlib_root()
+        return root, stdlib_files(root), "python-stdlib"
+    root, corpus = os.path.abspath(t.path), t.path
+    if os.path.isfile(root):
+        return os.path.dirname(root), [os.path.basename(root)], corpus
+    if os.path.isdir(root):
+        return root, folder_files(root), corpus
+    raise UsageError(
+        f"data.text.path={t.path}: no such file or folder: point it at a text file or a "
+        "folder of them (or leave it unset for the built-in Python standard library corpus)"
+    )
+
+
+def _split(cfg: DataConfig, root: str, files: list[str]) -> tuple[bytes, bytes, str]:
+    """(train bytes, test bytes, the corpus's sha256): split by file, or by position for one
+    file (or an unlucky coin that put every file on one side); each cut to its max bytes."""
+    t = cfg.text
     digest = hashlib.sha256()
     train, test = [], []
     for rel in files:
@@ -130,6 +131,16 @@ def text(cfg: DataConfig, seed: int) -> DataSpec:
         train_bytes = train_bytes[: t.max_train_bytes]
     if t.max_test_bytes:
         test_bytes = test_bytes[: t.max_test_bytes]
+    return train_bytes, test_bytes, digest.hexdigest()
+
+
+def text(cfg: DataConfig, seed: int) -> DataSpec:
+    """data.name=text: data.text.path (a file or folder), or the Python standard library."""
+    t = cfg.text
+    root, files, corpus = _corpus(t)
+    if not files:
+        raise UsageError(f"data.text.path={t.path}: the folder holds no files")
+    train_bytes, test_bytes, sha256 = _split(cfg, root, files)
     for split, data in (("train", train_bytes), ("test", test_bytes)):
         if len(data) <= t.seq_len:
             raise UsageError(
@@ -149,6 +160,6 @@ def text(cfg: DataConfig, seed: int) -> DataSpec:
             "files": len(files),
             "train_bytes": len(train_bytes),
             "test_bytes": len(test_bytes),
-            "sha256": digest.hexdigest(),
+            "sha256": sha256,
         },
     )

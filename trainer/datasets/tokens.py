@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -184,6 +185,16 @@ def load_tokenizer(name: str | None) -> tuple[Callable[[bytes], Iterable[int]], 
     return obj, vocab, name
 
 
+@dataclass(frozen=True)
+class _Encoder:
+    """A loaded tokenizer and the dtype its ids are stored as."""
+
+    encode: Callable[[bytes], Iterable[int]]
+    vocab: int
+    name: str
+    dtype: str
+
+
 def write_token_files(
     src: str,
     out: str,
@@ -196,57 +207,18 @@ def write_token_files(
     """Tokenize SRC (a text file or a folder of them) into OUT/train.bin, test.bin and
     tokens.json; returns tokens.json's contents. Files are read one at a time (the byte
     tokenizer in 16 MiB pieces), and written to temporary names renamed at the end."""
-    from trainer.datasets.text import folder_files, is_test_file
-
     encode, vocab, name = load_tokenizer(tokenizer)
-    dtype = "uint16" if vocab <= 2**16 else "uint32"
-    if os.path.isfile(src):
-        root, files = os.path.dirname(os.path.abspath(src)), [os.path.basename(src)]
-    elif os.path.isdir(src):
-        root, files = os.path.abspath(src), folder_files(src)
-    else:
-        raise UsageError(f"trainer data tokenize: {src}: no such file or folder")
-    if not files:
-        raise UsageError(f"trainer data tokenize: {src}: the folder holds no files")
-    sides = {"train": [], "test": []}
-    for rel in files:
-        sides["test" if is_test_file(rel, test_fraction, split_seed) else "train"].append(rel)
-    by_position = len(files) == 1 or not sides["train"] or not sides["test"]
-    order = sides["train"] + sides["test"]  # data.name=text's stream order
+    enc = _Encoder(encode, vocab, name, "uint16" if vocab <= 2**16 else "uint32")
+    root, files = _source_files(src)
+    sides = _split_files(files, test_fraction, split_seed)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
         raise UsageError(f"trainer data tokenize: cannot create {out} ({e.strerror})") from None
-    digest = hashlib.sha256()
     paths = {s: os.path.join(out, f".{s}.bin.tmp") for s in ("train", "test")}
-    counts = {"train": 0, "test": 0}
-    with open(paths["train"], "wb") as train_f, open(paths["test"], "wb") as test_f:
-        sinks = {"train": train_f, "test": test_f}
-        if by_position:  # one stream, its last test_fraction is test (data.name=text's rule)
-            total = _count_tokens(root, order, encode, name)
-            cut = round(total * (1 - test_fraction))
-        seen = 0
-        for rel in order:
-            digest.update(rel.replace(os.sep, "/").encode() + b"\0")
-            for ids in _file_tokens(os.path.join(root, rel), encode, name):
-                digest.update(ids.tobytes())
-                if len(ids) and int(ids.max()) >= vocab:
-                    raise UsageError(f"--tokenizer {name}: gave an id >= its vocab_size {vocab}")
-                ids = ids.astype(dtype)
-                if by_position:
-                    head = max(0, min(len(ids), cut - seen))
-                    parts = (("train", ids[:head]), ("test", ids[head:]))
-                else:
-                    side = "test" if rel in sides["test"] else "train"
-                    parts = ((side, ids),)
-                for side, piece in parts:
-                    if len(piece):
-                        sinks[side].write(piece.tobytes())
-                        counts[side] += len(piece)
-                seen += len(ids)
-            digest.update(b"\0")
+    counts, sha256 = _write_sides(paths, root, sides, test_fraction, enc)
     meta = {
-        "dtype": dtype,
+        "dtype": enc.dtype,
         "vocab_size": vocab,
         "tokenizer": name,
         "train_tokens": counts["train"],
@@ -255,18 +227,98 @@ def write_token_files(
         "source": os.path.abspath(src),
         "test_fraction": test_fraction,
         "split_seed": split_seed,
-        "sha256": digest.hexdigest(),
+        "sha256": sha256,
     }
+    _publish(out, paths, meta)
+    log(
+        f"wrote {out}: {counts['train']:,} train and {counts['test']:,} test tokens ({enc.dtype}, "
+        f"vocabulary {vocab}, tokenizer {name}) from {len(files)} file(s)"
+    )
+    return meta
+
+
+def _source_files(src: str) -> tuple[str, list[str]]:
+    """(root, the files under it to tokenize, relative to it) of a text file or a folder."""
+    from trainer.datasets.text import folder_files
+
+    if os.path.isfile(src):
+        root, files = os.path.dirname(os.path.abspath(src)), [os.path.basename(src)]
+    elif os.path.isdir(src):
+        root, files = os.path.abspath(src), folder_files(src)
+    else:
+        raise UsageError(f"trainer data tokenize: {src}: no such file or folder")
+    if not files:
+        raise UsageError(f"trainer data tokenize: {src}: the folder holds no files")
+    return root, files
+
+
+def _split_files(files: list[str], test_fraction: float, split_seed: int) -> dict[str, list[str]]:
+    """{"train": files, "test": files} by data.name=text's per-file coin."""
+    from trainer.datasets.text import is_test_file
+
+    sides: dict[str, list[str]] = {"train": [], "test": []}
+    for rel in files:
+        sides["test" if is_test_file(rel, test_fraction, split_seed) else "train"].append(rel)
+    return sides
+
+
+def _write_sides(
+    paths: dict[str, str],
+    root: str,
+    sides: dict[str, list[str]],
+    test_fraction: float,
+    enc: _Encoder,
+) -> tuple[dict[str, int], str]:
+    """Tokenize the files, in data.name=text's stream order, into paths["train"] and
+    paths["test"]: each file to its side, or, for one file (or every file on one side), the
+    stream's last test_fraction to test. Returns the tokens written per side and the sha256."""
+    order = sides["train"] + sides["test"]  # data.name=text's stream order
+    by_position = len(order) == 1 or not sides["train"] or not sides["test"]
+    digest = hashlib.sha256()
+    counts = {"train": 0, "test": 0}
+    with open(paths["train"], "wb") as train_f, open(paths["test"], "wb") as test_f:
+        sinks = {"train": train_f, "test": test_f}
+        cut = None
+        if by_position:  # one stream, its last test_fraction is test (data.name=text's rule)
+            total = _count_tokens(root, order, enc.encode, enc.name)
+            cut = round(total * (1 - test_fraction))
+        seen = 0
+        for rel in order:
+            digest.update(rel.replace(os.sep, "/").encode() + b"\0")
+            side = "test" if rel in sides["test"] else "train"
+            for ids in _file_tokens(os.path.join(root, rel), enc.encode, enc.name):
+                digest.update(ids.tobytes())
+                if len(ids) and int(ids.max()) >= enc.vocab:
+                    raise UsageError(
+                        f"--tokenizer {enc.name}: gave an id >= its vocab_size {enc.vocab}"
+                    )
+                ids = ids.astype(enc.dtype)
+                for to, piece in _pieces(ids, side, cut, seen):
+                    sinks[to].write(piece.tobytes())
+                    counts[to] += len(piece)
+                seen += len(ids)
+            digest.update(b"\0")
+    return counts, digest.hexdigest()
+
+
+def _pieces(ids: np.ndarray, side: str, cut: int | None, seen: int):
+    """(side, ids) for the non-empty parts of a file's next `ids`: all on the file's own side,
+    or (with the stream cut at token `cut`, `seen` tokens in) split between train and test."""
+    if cut is None:
+        parts = ((side, ids),)
+    else:
+        head = max(0, min(len(ids), cut - seen))
+        parts = (("train", ids[:head]), ("test", ids[head:]))
+    return [(s, piece) for s, piece in parts if len(piece)]
+
+
+def _publish(out: str, paths: dict[str, str], meta: dict) -> None:
+    """Rename the finished token files to their names, then write tokens.json beside them."""
     for side in ("train", "test"):
         os.replace(paths[side], os.path.join(out, f"{side}.bin"))
     with open(os.path.join(out, META), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
-    log(
-        f"wrote {out}: {counts['train']:,} train and {counts['test']:,} test tokens ({dtype}, "
-        f"vocabulary {vocab}, tokenizer {name}) from {len(files)} file(s)"
-    )
-    return meta
 
 
 def _file_tokens(path: str, encode, name: str):

@@ -23,9 +23,11 @@ import shlex
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainer.cli import COMMANDS
-from trainer.errors import STATUS_DIR_ENV, ExitCode, TrainerError, UsageError, shorten
+from trainer.errors import ExitCode, TrainerError, UsageError, shorten
+from trainer.exitstatus import STATUS_DIR_ENV
 from trainer.launch.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
 from trainer.launch.threads import available_cpus, threads_per_rank, user_threads
 
@@ -176,78 +178,16 @@ def make_plan(
     probe: Callable[[Node, Mapping[str, str]], Route | None] | None = None,
 ) -> Plan:
     """What to run on this node; pure apart from `probe` (how this node reaches the rendezvous)."""
-    if launched_by_torchrun(env):
-        return Plan(
-            argv=tuple(command.direct_argv(python)),
-            env={},
-            unset=(),
-            child=False,
-            summary=f"already rank {env['RANK']} of {env['WORLD_SIZE']} under torchrun: running it directly",
-        )
-    if not command.distributed:
-        return Plan(
-            argv=tuple(command.direct_argv(python)),
-            env={},
-            unset=(),
-            child=False,
-            summary=f"`{command.foreign[0]}` is no trainer subcommand: running it as is"
-            if command.as_is
-            else f"`trainer {command.trainer_args[0]}` runs once, without torchrun",
-        )
+    if launched_by_torchrun(env) or not command.distributed:
+        return _direct_plan(env, command, python)
     node = read_node(env, gpus=gpus, cpus=cpus)
     unset = tuple(v for v in CONSUMED_PET if v in env)
     extra = dict(TORCH_ENV)
     if (threads := threads_per_rank(env, cpus, node.nproc)) is not None:
         extra["OMP_NUM_THREADS"] = str(threads)  # torchrun sets it only for nproc > 1, to 1
-    argv = [python, "-m", "torch.distributed.run"]
-    rendezvous = None
-    if not node.multi_node:
-        # All ranks on this host: they meet on loopback, not at this host's name, which need not
-        # resolve (`docker run --network=none`, a container without its name in /etc/hosts):
-        # torchrun would retry the lookup for ever and gloo would warn on every rank.
-        argv += ["--standalone", "--nnodes=1", f"--nproc-per-node={node.nproc}", LOOPBACK_ADDR]
-        if not env.get("GLOO_SOCKET_IFNAME"):
-            extra["GLOO_SOCKET_IFNAME"] = "lo"
-        summary = f"1 node x {node.nproc} process(es), standalone rendezvous"
-    else:
-        assert node.host is not None
-        route = probe(node, env) if probe else None
-        rdzv_id = node.rdzv_id
-        conf = dict(node.rdzv_conf)
-        if node.node_rank is not None:
-            # Node 0 hosts the store: said explicitly, because a DNS name (a pod's headless
-            # service name) often does not match what the pod believes its own hostname is.
-            conf.setdefault("is_host", "1" if node.node_rank == 0 else "0")
-        conf.setdefault("join_timeout", str(node.join_timeout))
-        conf.setdefault("read_timeout", str(node.join_timeout))  # also bounds the store connect
-        local_addr = env.get("POD_IP", "").strip() or (route.local_addr if route else "")
-        endpoint = f"[{node.host}]" if ":" in node.host else node.host
-        argv += [
-            f"--nnodes={node.nnodes}",
-            f"--nproc-per-node={node.nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}:{node.port}",
-            f"--rdzv-id={rdzv_id}",
-            "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
-        ]
-        if local_addr:
-            argv.append(f"--local-addr={local_addr}")
-        if route and route.ifname:
-            for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                if not env.get(var):
-                    extra[var] = route.ifname
-        rank = "?" if node.node_rank is None else node.node_rank
-        summary = (
-            f"{node.nnodes} nodes x {node.nproc} process(es), this is node {rank}, "
-            f"rendezvous at {node.host}:{node.port} (id {rdzv_id})"
-        )
-        rendezvous = Rendezvous(
-            endpoint=f"{endpoint}:{node.port}",
-            host=node.host,
-            nnodes=node.nnodes,
-            node_rank=node.node_rank,
-            join_timeout=conf["join_timeout"],
-        )
+    meeting = _multi_node(node, env, probe) if node.multi_node else _standalone(node, env)
+    extra.update(meeting.env)
+    argv = [python, "-m", "torch.distributed.run", *meeting.flags]
     argv.append(f"--max-restarts={node.max_restarts}")
     argv += command.torchrun_tail()
     world = int(node.nnodes) * node.nproc if node.nnodes.isdigit() else None
@@ -256,10 +196,99 @@ def make_plan(
         env=extra,
         unset=unset,
         child=True,
-        summary=summary,
+        summary=meeting.summary,
         world_size=world,
-        rendezvous=rendezvous,
+        rendezvous=meeting.rendezvous,
     )
+
+
+def _direct_plan(env: Mapping[str, str], command: Command, python: str) -> Plan:
+    """Run the command in this process, without torchrun: this process already is a rank under
+    torchrun, or the command runs once (a trainer subcommand other than train, or as is)."""
+    if launched_by_torchrun(env):
+        summary = (
+            f"already rank {env['RANK']} of {env['WORLD_SIZE']} under torchrun: running it directly"
+        )
+    elif command.as_is:
+        summary = f"`{command.foreign[0]}` is no trainer subcommand: running it as is"
+    else:
+        summary = f"`trainer {command.trainer_args[0]}` runs once, without torchrun"
+    return Plan(
+        argv=tuple(command.direct_argv(python)), env={}, unset=(), child=False, summary=summary
+    )
+
+
+class _Meeting(NamedTuple):
+    """How this node's ranks meet the job's others: torchrun's rendezvous flags, the variables
+    they need, a summary line and (several nodes) the rendezvous to name when it fails."""
+
+    flags: list[str]
+    env: dict[str, str]
+    summary: str
+    rendezvous: Rendezvous | None = None
+
+
+def _standalone(node: Node, env: Mapping[str, str]) -> _Meeting:
+    """All ranks on this host: they meet on loopback, not at this host's name, which need not
+    resolve (`docker run --network=none`, a container without its name in /etc/hosts): torchrun
+    would retry the lookup for ever and gloo would warn on every rank."""
+    flags = ["--standalone", "--nnodes=1", f"--nproc-per-node={node.nproc}", LOOPBACK_ADDR]
+    added = {} if env.get("GLOO_SOCKET_IFNAME") else {"GLOO_SOCKET_IFNAME": "lo"}
+    return _Meeting(flags, added, f"1 node x {node.nproc} process(es), standalone rendezvous")
+
+
+def _multi_node(
+    node: Node,
+    env: Mapping[str, str],
+    probe: Callable[[Node, Mapping[str, str]], Route | None] | None,
+) -> _Meeting:
+    """Several nodes: a c10d rendezvous at node.host, left by the address and interface that
+    `probe` finds towards it (POD_IP and the user's own *_SOCKET_IFNAME win)."""
+    assert node.host is not None
+    route = probe(node, env) if probe else None
+    conf = _rdzv_conf(node)
+    local_addr = env.get("POD_IP", "").strip() or (route.local_addr if route else "")
+    endpoint = f"[{node.host}]" if ":" in node.host else node.host
+    flags = [
+        f"--nnodes={node.nnodes}",
+        f"--nproc-per-node={node.nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}:{node.port}",
+        f"--rdzv-id={node.rdzv_id}",
+        "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
+    ]
+    if local_addr:
+        flags.append(f"--local-addr={local_addr}")
+    added = {}
+    if route and route.ifname:
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if not env.get(var):
+                added[var] = route.ifname
+    rank = "?" if node.node_rank is None else node.node_rank
+    summary = (
+        f"{node.nnodes} nodes x {node.nproc} process(es), this is node {rank}, "
+        f"rendezvous at {node.host}:{node.port} (id {node.rdzv_id})"
+    )
+    rendezvous = Rendezvous(
+        endpoint=f"{endpoint}:{node.port}",
+        host=node.host,
+        nnodes=node.nnodes,
+        node_rank=node.node_rank,
+        join_timeout=conf["join_timeout"],
+    )
+    return _Meeting(flags, added, summary, rendezvous)
+
+
+def _rdzv_conf(node: Node) -> dict[str, str]:
+    """torchrun's --rdzv-conf: the node's own settings, then is_host and the join/read timeouts."""
+    conf = dict(node.rdzv_conf)
+    if node.node_rank is not None:
+        # Node 0 hosts the store: said explicitly, because a DNS name (a pod's headless
+        # service name) often does not match what the pod believes its own hostname is.
+        conf.setdefault("is_host", "1" if node.node_rank == 0 else "0")
+    conf.setdefault("join_timeout", str(node.join_timeout))
+    conf.setdefault("read_timeout", str(node.join_timeout))  # also bounds the store connect
+    return conf
 
 
 # ---------------------------------------------------------------------------------------------
@@ -361,7 +390,7 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
     import subprocess
     import tempfile
 
-    from trainer.errors import node_message
+    from trainer.exitstatus import node_message
 
     if signals.last is not None:  # stopped before anything started
         return 128 + signals.last
@@ -610,7 +639,7 @@ def _last_rank(nnodes: str) -> str:
 def exit_code(returncode: int, status_dir: str, signalled: int | None) -> int:
     """Node exit code: 0 if torchrun succeeded, else the ranks' most significant code, else
     128+signal (killed, or stopped by a forwarded signal with no rank reporting), else torchrun's."""
-    from trainer.errors import node_exit_code
+    from trainer.exitstatus import node_exit_code
 
     if returncode == 0:
         return 0  # a restarted attempt succeeded: codes left by earlier attempts do not count
