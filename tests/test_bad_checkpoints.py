@@ -613,6 +613,28 @@ def test_safetensors_write_failures_are_oserrors_with_the_os_errno(tmp_path):
     assert not (tmp_path / "w").exists()  # atomic: nothing half-written under the name
 
 
+def test_a_disk_that_turns_read_only_under_a_whole_checkpoint_exits_2_naming_ckpt_dir(
+    tmp_path, monkeypatch, capsys
+):
+    """safetensors' failed write of model.safetensors in a checkpoint is classed by its errno,
+    as weights and export are: a read-only disk is the path's fault (exit 2, point ckpt.dir
+    elsewhere), not a transient failure that a retry (exit 4) could cure."""
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    def read_only(*args, **kwargs):
+        raise SafetensorError(
+            "Error while serializing: I/O error: Read-only file system (os error 30)"
+        )
+
+    monkeypatch.setattr(safetensors.torch, "save_file", read_only)
+    run_dir = tmp_path / "run"
+    code, _, err = in_process(capsys, "train", *TINY, f"run_dir={run_dir}", "ckpt.async_save=false")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "Read-only file system" in err and "point ckpt.dir" in err
+    assert store.list_checkpoints(str(run_dir / "checkpoints")) == []
+
+
 def test_export_onto_a_full_disk_exits_4_in_one_line(tmp_path):
     src, out = tmp_path / "w.safetensors", tmp_path / "out"
     save_file({"a": torch.zeros(10000)}, str(src))

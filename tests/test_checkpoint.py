@@ -14,7 +14,8 @@ from tests import helpers
 from tests.helpers import ROOT, tiny_model
 from trainer import config
 from trainer.checkpoint import store, weights
-from trainer.checkpoint.manager import CheckpointWriteError, choose_resume, config_conflicts
+from trainer.checkpoint.manager import CheckpointWriteError
+from trainer.checkpoint.resume import choose_resume, config_conflicts
 from trainer.errors import UsageError
 from trainer.optim import Schedule
 from trainer.train import train
@@ -345,6 +346,14 @@ def test_non_tensor_items_in_shards_load_without_running_code(tmp_path):
     assert not marker.exists()
 
 
+def _dcp_state(model, opt) -> dict:
+    """What the checkpointer hands DCP: the model's and optimizer's state in DCP's form."""
+    from trainer.state import ModelState
+    from trainer.strategy import Strategy
+
+    return ModelState(model, opt, Strategy()).state_dict()
+
+
 def test_a_failed_shard_write_is_an_ordinary_exception_the_checkpointer_recovers_from(tmp_path):
     """DCP raises CheckpointException, a BaseException: `except Exception` would let it crash."""
     import pytest as _pytest
@@ -357,10 +366,10 @@ def test_a_failed_shard_write_is_an_ordinary_exception_the_checkpointer_recovers
     opt.step()
     (tmp_path / "dcp").write_text("a file where the shard folder goes")
     with _pytest.raises(sharded.ShardWriteError) as e:
-        sharded.save(model, opt, str(tmp_path))
+        sharded.save(_dcp_state(model, opt), str(tmp_path))
     assert isinstance(e.value, Exception) and "\n" not in str(e.value)
     (tmp_path / "dcp").unlink()
-    sharded.save(model, opt, str(tmp_path))  # and a healthy folder round-trips
+    sharded.save(_dcp_state(model, opt), str(tmp_path))  # and a healthy folder round-trips
     assert sharded.read_model(str(tmp_path)).keys() == {"weight", "bias"}
 
 
@@ -420,7 +429,9 @@ def test_a_background_shard_write_holds_the_state_of_when_it_began(tmp_path):
     stager = sharded.HostCopy()
     for name in ("first", "second"):  # the second save reuses the first one's host buffers
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        written = sharded.save_in_background(model, opt, str(tmp_path / name), None, stager)
+        written = sharded.save_in_background(
+            _dcp_state(model, opt), str(tmp_path / name), None, stager
+        )
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(1.0)
@@ -431,12 +442,12 @@ def test_a_background_shard_write_holds_the_state_of_when_it_began(tmp_path):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "dcp").write_text("a file where the shard folder goes")
     with pytest.raises(sharded.ShardWriteError) as e:
-        sharded.save_in_background(model, opt, str(tmp_path / "bad"), None).result()
+        sharded.save_in_background(_dcp_state(model, opt), str(tmp_path / "bad"), None).result()
     assert "\n" not in str(e.value)
 
 
 def test_the_wall_time_cadence_is_due_after_its_minutes_and_off_at_0():
-    from trainer.loop import save_due
+    from trainer.checkpoint.manager import save_due
 
     ckpt = config.load(None, ["ckpt.every_minutes=2"]).ckpt
     assert not save_due(ckpt, last_save=100.0, now=219.0)

@@ -1,4 +1,4 @@
-"""When a job hangs or crawls (trainer/diagnostics.py): a stalled rank is named with its stack
+"""When a job hangs or crawls (trainer/diagnostics/): a stalled rank is named with its stack
 within the bound, on the console and in RUN_DIR/diagnostics/, and the job exits 4; a slow rank is
 named within a few log windows; a balanced run names nobody."""
 

@@ -49,14 +49,16 @@ def test_a_fresh_dry_run_round_trips_a_real_checkpoint_and_leaves_no_run_behind(
     tmp_path, monkeypatch
 ):
     """In this process: the round trip writes bytes, verifies them and compares the weights."""
-    from trainer import dryrun
     from trainer.checkpoint import store
+    from trainer.checkpoint.manager import Checkpointer
     from trainer.train import train
 
     verified, compared = [], []
-    real_verify, real_same = store.verify, dryrun._same_weights
+    real_verify, real_same = store.verify, Checkpointer._holds_live_weights
     monkeypatch.setattr(store, "verify", lambda p: verified.append(p) or real_verify(p))
-    monkeypatch.setattr(dryrun, "_same_weights", lambda r, p: compared.append(p) or real_same(r, p))
+    monkeypatch.setattr(
+        Checkpointer, "_holds_live_weights", lambda c, p: compared.append(p) or real_same(c, p)
+    )
     fresh = tmp_path / "fresh"
     report = train(config.load(None, [*TINY, f"run_dir={fresh}"]), dry_run=True)
     assert report["checkpoint"]["bytes"] > 0 and verified and compared == verified

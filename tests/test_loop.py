@@ -118,13 +118,30 @@ def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence(monkeypatch):
     two.add(torch.tensor(2.0), 64)
     other = torch.tensor([1.0, 10.0, 5.0, 1.0, 0.0, 0.3, 0.0, 0.4], dtype=torch.float64)
     monkeypatch.setattr(loop.ranks, "all_reduce_sum", lambda t: t + other)
-    assert two.window_mean(7, flag=0, mine=(0.1, 0.2), rank=0) == (
-        3.0, 9, 5, True, ([0.1, 0.3], [0.2, 0.4])
-    )  # fmt: skip
+    window = two.window(rank=0, vote_every=7, forward_s=0.1, data_wait_s=0.2)
+    assert (window.loss, window.vote_every, window.metrics_errno, window.save_due) == (
+        3.0,
+        9,
+        5,
+        True,
+    )
+    assert (window.forward_s, window.data_wait_s) == ([0.1, 0.3], [0.2, 0.4])
     monkeypatch.undo()
     sums = LossSums("cpu", world_size=1)
     sums.add(torch.tensor(2.0), 64)
     sums.add(torch.tensor(4.0), 64)
-    assert sums.window_mean(7)[:4] == (3.0, 7, 0, False)
+    window = sums.window(vote_every=7)
+    assert (window.loss, window.vote_every, window.metrics_errno, window.save_due) == (
+        3.0,
+        7,
+        0,
+        False,
+    )
     sums.add(torch.tensor(1.0), 64)
-    assert sums.window_mean(flag=28, save=1)[:4] == (1.0, 1, 28, True)  # rank 0's write errno
+    window = sums.window(metrics_errno=28, save_due=True)  # rank 0's write errno
+    assert (window.loss, window.vote_every, window.metrics_errno, window.save_due) == (
+        1.0,
+        1,
+        28,
+        True,
+    )

@@ -9,22 +9,16 @@ temporary folder that is removed afterwards.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import shutil
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 import torch
 
 from trainer import batch as batches
 from trainer import data, metrics, ranks
-from trainer.checkpoint import store
 from trainer.errors import UsageError
 from trainer.evaluate import summarized
-from trainer.results import Results
 from trainer.strategy import unwrap
 from trainer.tasks import checked_metrics, forward
 
@@ -48,7 +42,7 @@ def check(run: Run) -> dict:
     report["last_batch"] = _last_batch_step(run, plan)
     report["memory"] = ranks.gather_objects(run.memory())  # after a step: gradients, optimizer
     report["eval_batch"] = _eval_batch(run)
-    report["checkpoint"] = _checkpoint_round_trip(run)
+    report["checkpoint"] = run.ckpt.round_trip()
     if world.on_cuda:
         report["peak_gpu_memory_gib"] = torch.cuda.max_memory_allocated(world.device) / 2**30
     lb, ev, ck = report["last_batch"], report["eval_batch"], report["checkpoint"]
@@ -99,57 +93,3 @@ def _eval_batch(run: Run) -> dict:
     ranks.all_reduce_sum(counts)
     net.train()
     return {"global_samples": int(counts.item()), "seconds": time.perf_counter() - started}
-
-
-def _checkpoint_round_trip(run: Run) -> dict:
-    """Save, verify and load a checkpoint in a private folder beside the real ones; every rank
-    reads it back (which proves the storage is shared), then it is removed."""
-    world, ckpt = run.world, run.ckpt
-    scratch = ranks.broadcast_object(os.path.join(ckpt.root, f".dry-run-{uuid.uuid4().hex[:8]}"))
-    started = time.perf_counter()
-    path = ckpt.write(scratch, run.state, Results(), "dry-run")
-    try:
-        first = _agree(world, lambda: store.verify(path))  # per rank: no collective inside
-        if not first:
-            first = _agree(world, lambda: _same_weights(run, path))
-        size = (
-            0
-            if first
-            else sum(os.path.getsize(os.path.join(path, f)) for f in store.files_under(path))
-        )
-    finally:
-        ranks.gather_objects(None)  # every rank is done reading before the delete
-        if world.is_main:
-            shutil.rmtree(scratch, ignore_errors=True)
-            with contextlib.suppress(OSError):  # leave no empty checkpoints folder behind
-                os.rmdir(ckpt.root)
-    if first:
-        raise UsageError(f"dry run: checkpoint round trip in {ckpt.root} failed ({first})")
-    return {"bytes": size, "seconds": time.perf_counter() - started}
-
-
-def _agree(world, check) -> str | None:
-    """Run `check` on every rank; the first rank's error, on every rank (None if all passed)."""
-    error = None
-    try:
-        check()
-    except (UsageError, store.CorruptCheckpoint, OSError) as e:
-        error = f"rank {world.rank}: {e}"
-    return ranks.first_of_ranks(error)
-
-
-def _same_weights(run: Run, path: str) -> None:
-    """The checkpoint holds exactly this rank's live weights (its shards, when sharded)."""
-    if store.is_sharded(path):
-        from trainer.checkpoint import sharded
-
-        saved, live = (
-            sharded.read_local_model(run.model, path),
-            sharded.local_model_state(run.model),
-        )
-    else:
-        saved = store.read(path)["model"]
-        live = {k: v.detach().cpu() for k, v in unwrap(run.model).state_dict().items()}
-    for name, tensor in live.items():
-        if not torch.equal(saved[name], tensor):
-            raise UsageError(f"the round trip changed {name}")

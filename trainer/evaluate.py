@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from trainer import batch as batches
-from trainer import data, models, ranks, sampler, tasks
-from trainer.config import Config
+from trainer import data, ranks, sampler
 from trainer.errors import UsageError
 from trainer.ranks import World
 from trainer.strategy import unwrap
@@ -108,16 +105,3 @@ def summarized(task: Task, totals: dict) -> dict:
             f"{str(result)[:60]}: return a dict of metric name -> number"
         )
     return result
-
-
-def evaluate_saved(cfg: Config, src: str) -> dict:
-    """`trainer eval`: the weights at `src` (run dir, checkpoint dir or weights file) on cfg's data."""
-    from trainer.checkpoint.weights import load_weights_into
-
-    world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
-    with ranks.process_group(world, cfg.dist.timeout_s):
-        spec = data.build(cfg.data, cfg.seed)
-        task = tasks.build(cfg.task, spec)
-        model = models.build(cfg.model, spec.in_shape, spec.num_classes, spec.task, data=spec)
-        load_weights_into(model, src, model_cfg=cfg.model)
-        return evaluate(model.to(world.device), spec, task, world, cfg.data.eval_batch_size)

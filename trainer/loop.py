@@ -10,12 +10,21 @@ import contextlib
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from trainer import data, perf, ranks
+from trainer.checkpoint.manager import (
+    EVERY_EPOCHS,
+    EVERY_MINUTES,
+    EVERY_STEPS,
+    FINAL,
+    METRICS_FAILED,
+    Reason,
+)
 from trainer.config import CkptConfig, TrainConfig
 from trainer.diagnostics import straggler_line
 from trainer.errors import ConfigError, Preempted, TrainerError, first_line, io_error
@@ -58,12 +67,17 @@ def should_save(
     return bool(cfg.every_steps) and step % cfg.every_steps == 0
 
 
-def save_due(cfg: CkptConfig, last_save: float, now: float | None = None) -> bool:
-    """Whether ckpt.every_minutes of wall time (time.monotonic) passed since the last save."""
-    if not cfg.every_minutes:
-        return False
-    now = time.monotonic() if now is None else now
-    return now - last_save >= 60 * cfg.every_minutes
+def save_reason(
+    cfg: CkptConfig, *, step: int, total_steps: int, minutes_due: bool
+) -> Reason | None:
+    """Why to save after optimizer step `step`, or None: every ckpt.every_steps steps, else
+    when ckpt.every_minutes have passed (`minutes_due`, rank 0's clock, agreed by all ranks).
+    Never at the last step: the final save covers it."""
+    if should_save(cfg, step=step, total_steps=total_steps):
+        return EVERY_STEPS
+    if minutes_due and step < total_steps:
+        return EVERY_MINUTES
+    return None
 
 
 def should_stop(run: Run) -> bool:
@@ -75,7 +89,7 @@ def should_stop(run: Run) -> bool:
 # --- the loop ----------------------------------------------------------------------------------
 
 
-def fit(run: Run) -> None:
+def train_loop(run: Run) -> None:
     """Train from run.state to run.total_steps; run.results ends with the train/eval results.
 
     Saves on schedule and at the end, and stops within about 0.2 s plus one step after the step
@@ -91,50 +105,67 @@ def fit(run: Run) -> None:
     vote = StopVote(run.stop, ranks.stop_group())
     while state.epoch < cfg.train.epochs and not run.finished:
         plan = run.epoch_plan(state.epoch)
-        batches = data.train_batches(
-            run.data, plan, run.world.rank, run.world.size, state.step_in_epoch
-        )
-        for _, batch, count in clock.timed(batches):  # batches are on the device already
-            losses.add(run.step(batch, count, state.step), count)
-            state.step += 1
-            run.watchdog.beat(state.step)
-            state.step_in_epoch += 1
-            state.samples_seen += count
-            run.log.tick(state.step, epoch_of(state))
-            timed_save = False
-            if should_log(cfg.log.every_steps, state.step, run.total_steps):
-                vote.every, timed_save = _log_train(run, losses, clock)
-            if should_eval(cfg.train, step=state.step):
-                _evaluate(run, clock)
-            _stop_if_asked(run, clock, vote.poll(state.step))
-            if run.finished:
-                break
-            if should_save(cfg.ckpt, step=state.step, total_steps=run.total_steps):
-                _save(run, clock, "every_steps")
-            elif timed_save and state.step < run.total_steps:
-                _save(run, clock, "every_minutes")
+        _train_epoch(run, plan, losses, clock, vote)
         epoch_loss = losses.epoch_mean()
         check_loss(run, epoch_loss)
         run.results.record_train(epoch_loss, state.epoch)
         if state.step_in_epoch >= len(plan):  # the epoch ran to its end
-            if should_eval(cfg.train, step=state.step, epoch_done=state.epoch + 1):
-                _evaluate(run, clock)
-            state.epoch += 1
-            state.step_in_epoch = 0
-            if (
-                should_save(
-                    cfg.ckpt, step=state.step, total_steps=run.total_steps, epoch_done=state.epoch
-                )
-                and run.ckpt.newest_step != state.step
-            ):  # not twice (every_minutes, every_steps)
-                _save(run, clock, "every_epochs")
+            _end_epoch(run, clock)
     vote.finish()  # the last vote in flight; the run is complete whatever it says
     if run.results.eval_step != state.step:
         _evaluate(run, clock)
     check_log_at_end(run, clock)
     run.ckpt.wait()  # a background save of the last step may make the final one moot
-    if run.ckpt.last_saved_step != state.step:
-        _save(run, clock, "final", must_succeed=True)
+    if not run.ckpt.on_disk(state.step):
+        _save(run, clock, FINAL, must_succeed=True)
+    _record_time(run, clock)
+
+
+def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: StopVote) -> None:
+    """The steps of this epoch from run.state on, each followed by what falls due after it."""
+    cfg, state = run.cfg, run.state
+    batches = data.train_batches(
+        run.data, plan, run.world.rank, run.world.size, state.step_in_epoch
+    )
+    for _, batch, count in clock.timed(batches):  # batches are on the device already
+        losses.add(run.step(batch, count, state.step), count)
+        state.step += 1
+        run.watchdog.beat(state.step)
+        state.step_in_epoch += 1
+        state.samples_seen += count
+        run.log.tick(state.step, epoch_of(state))
+        minutes_due = False
+        if should_log(cfg.log.every_steps, state.step, run.total_steps):
+            vote.every, minutes_due = _log_train(run, losses, clock)
+        if should_eval(cfg.train, step=state.step):
+            _evaluate(run, clock)
+        _stop_if_asked(run, clock, vote.poll(state.step))
+        if run.finished:
+            return
+        reason = save_reason(
+            cfg.ckpt, step=state.step, total_steps=run.total_steps, minutes_due=minutes_due
+        )
+        if reason is not None:
+            _save(run, clock, reason)
+
+
+def _end_epoch(run: Run, clock: TrainClock) -> None:
+    """An epoch ran to its end: its evaluation and save if due, and the position moves on."""
+    cfg, state = run.cfg, run.state
+    if should_eval(cfg.train, step=state.step, epoch_done=state.epoch + 1):
+        _evaluate(run, clock)
+    state.epoch += 1
+    state.step_in_epoch = 0
+    due = should_save(
+        cfg.ckpt, step=state.step, total_steps=run.total_steps, epoch_done=state.epoch
+    )
+    if due and not run.ckpt.holds(state.step):  # not twice (every_minutes, every_steps)
+        _save(run, clock, EVERY_EPOCHS)
+
+
+def _record_time(run: Run, clock: TrainClock) -> None:
+    """The train time and data wait so far, into the results (what a checkpoint and the summary
+    hold): the one place they are written."""
     run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
 
 
@@ -150,37 +181,32 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool
     """Writes the window's train record; returns the stop-vote cadence the ranks agreed on and
     whether a save is due by wall time (ckpt.every_minutes, rank 0's clock)."""
     samples, steps = losses.window_samples, losses.window_steps
-    # One all-reduce: all ranks' loss shares summed (the global mean loss per step), their
-    # proposed vote cadences (integers: the sum, and so the cadence, is the same on every rank),
-    # rank 0's metrics write error since the last window (its errno; the others add 0), rank
-    # 0's verdict on the wall-time save cadence (1 or 0; the others add 0), and each rank's
-    # forward and data-wait seconds in slots of its own (straggler accounting).
-    due = run.world.is_main and save_due(run.cfg.ckpt, run.ckpt.last_save_time)
-    mine = (run.step.forward_s.take(), clock.waited_in_lap())
-    loss, every, failed, save, per_rank = losses.window_mean(
-        StopVote.cadence(clock.since_lap() / steps),
-        _write_error_code(run),
-        int(due),
-        mine,
-        run.world.rank,
+    main = run.world.is_main
+    window = losses.window(  # one all-reduce, its slots named (Window)
+        rank=run.world.rank,
+        vote_every=StopVote.cadence(clock.since_lap() / steps),
+        metrics_errno=_write_error_code(run),
+        save_due=main and run.ckpt.due_by_time(),
+        forward_s=run.step.forward_s.take(),
+        data_wait_s=clock.waited_in_lap(),
     )
     elapsed, waited = clock.lap()  # after the all-reduce: the window includes waiting for it
     run.watchdog.observe(elapsed / steps)
-    if failed:
-        _stop_for_metrics(run, clock, failed)
-    check_loss(run, loss)
-    run.results.record_train(loss)
-    record = {"kind": "train", "step": run.state.step, "epoch": epoch_of(run.state), "loss": loss}
+    if window.metrics_errno:
+        _stop_for_metrics(run, clock, window.metrics_errno)
+    check_loss(run, window.loss)
+    run.results.record_train(window.loss)
+    record = {"kind": "train", "step": run.state.step, "epoch": epoch_of(run.state)}
+    record["loss"] = window.loss
     record["lr"] = run.step.scheduler.get_last_lr()[0]
     record.update(throughput(run, samples, elapsed, waited))
-    forward, wait = per_rank
     if 1 < run.world.size <= RANKS_IN_RECORDS:
-        record["rank_forward_ms"] = [round(1e3 * f / steps, 3) for f in forward]
-        record["rank_data_wait_ms"] = [round(1e3 * w / steps, 3) for w in wait]
+        record["rank_forward_ms"] = [round(1e3 * f / steps, 3) for f in window.forward_s]
+        record["rank_data_wait_ms"] = [round(1e3 * w / steps, 3) for w in window.data_wait_s]
     run.log.record(record)
-    if run.world.is_main:
-        _name_stragglers(run, forward, wait, steps, elapsed)
-    return every, save
+    if main:
+        _name_stragglers(run, window.forward_s, window.data_wait_s, steps, elapsed)
+    return window.vote_every, window.save_due
 
 
 RANKS_IN_RECORDS = 64
@@ -189,7 +215,7 @@ RANKS_IN_RECORDS = 64
 
 def _name_stragglers(run: Run, forward, wait, steps: int, elapsed: float) -> None:
     """Rank 0: a console line and a `straggler` record the first time a rank is slow for
-    several windows in a row (trainer/diagnostics.py)."""
+    several windows in a row (trainer/diagnostics/stragglers.py)."""
     for s in run.stragglers.window(forward, wait, steps, elapsed):
         node, host = run.hosts[s.rank] if run.hosts else (None, None)
         run.log.info(straggler_line(s, run.hosts))
@@ -266,13 +292,11 @@ def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
         error = OSError(errno, os.strerror(errno)) if errno > 0 else OSError("write failed")
     step = run.state.step
     run.ckpt.wait()
-    if run.ckpt.last_saved_step == step:
+    if run.ckpt.on_disk(step):
         note = f"checkpoint at step {step} already saved"
     else:
         try:
-            note = (
-                f"checkpoint {_save(run, clock, 'metrics write failed', must_succeed=True)} saved"
-            )
+            note = f"checkpoint {_save(run, clock, METRICS_FAILED, must_succeed=True)} saved"
         except TrainerError as e:
             note = f"the checkpoint save failed too: {first_line(e)}"
     raise io_error(
@@ -282,13 +306,13 @@ def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
     )
 
 
-def _save(run: Run, clock: TrainClock, reason: str, *, must_succeed: bool = False) -> str | None:
+def _save(run: Run, clock: TrainClock, reason: Reason, *, must_succeed: bool = False) -> str | None:
     check_weights(run)  # never a checkpoint of NaN weights over the good ones
     with clock.paused(), run.watchdog.paused():
-        run.results.train_time_s, run.results.data_wait_s = clock.total, clock.waited
+        _record_time(run, clock)
         if must_succeed:
-            return run.ckpt.save(run.state, run.results, reason)
-        run.ckpt.save_or_warn(run.state, run.results, reason)
+            return run.ckpt.save(reason)
+        run.ckpt.save_or_warn(reason)
         return None
 
 
@@ -297,9 +321,9 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
         return
     name, step = run.stop.name, run.state.step
     run.ckpt.wait()
-    if run.ckpt.last_saved_step == step:  # e.g. signalled during setup: nothing new to save
+    if run.ckpt.on_disk(step):  # e.g. signalled during setup: nothing new to save
         raise Preempted(f"stopped by {name} at step {step} before training on")
-    path = _save(run, clock, f"signal {name}", must_succeed=True)
+    path = _save(run, clock, Reason.signal(name), must_succeed=True)
     # The step the signal landed in (its rank's next step boundary): how long the stop took.
     run.log.record({"kind": "stop", "step": step, "signal": name, "noticed": run.stop.noticed_step})
     raise Preempted(f"stopped by {name} at step {step}; checkpoint {path} saved: {run.to_resume}")
@@ -326,7 +350,7 @@ def check_weights(run: Run) -> None:
 def _diverged(run: Run, what: str) -> None:
     """Exit 2, not 1 or 4: rerunning the same config diverges the same way; it needs a change."""
     run.ckpt.wait()
-    lr, kept = run.cfg.optim.lr, run.ckpt.last_saved_step
+    lr, kept = run.cfg.optim.lr, run.ckpt.newest_on_disk()
     raise ConfigError(
         f"training diverged: {what} at step {run.state.step}: lower optim.lr (now {lr:g}, e.g. "
         f"optim.lr={lr / 10:g}) or set train.clip_grad_norm=1.0; "
@@ -337,42 +361,80 @@ def _diverged(run: Run, what: str) -> None:
 # --- bookkeeping -------------------------------------------------------------------------------
 
 
+_SUMMED = ("vote_every", "metrics_errno", "save_due")
+_PER_RANK = ("forward_s", "data_wait_s")
+
+
+@dataclass(frozen=True)
+class Window:
+    """What a log window's all-reduce brings every rank."""
+
+    loss: float
+    """The window's mean loss per step, over all ranks."""
+    vote_every: int
+    """The stop vote's cadence the ranks agreed on: the mean of their proposals, rounded up."""
+    metrics_errno: int
+    """Rank 0's metrics.jsonl write error since the last window (its errno, -1 without one;
+    0: none)."""
+    save_due: bool
+    """ckpt.every_minutes have passed by rank 0's clock."""
+    forward_s: list[float]
+    """Each rank's forward seconds in the window (straggler accounting)."""
+    data_wait_s: list[float]
+    """Each rank's seconds waiting for data in the window."""
+
+
 class LossSums:
     """This rank's shares of each step's global mean loss, summed over the current log window
     and epoch; all-reduced only when read, so logging costs no collective per step."""
 
     def __init__(self, device: str, world_size: int = 1):
         self.world_size = world_size
-        self.window = torch.zeros((), dtype=torch.float64, device=device)
+        self.window_sum = torch.zeros((), dtype=torch.float64, device=device)
         self.epoch = torch.zeros((), dtype=torch.float64, device=device)
         self.window_steps = self.window_samples = self.epoch_steps = 0
 
     def add(self, loss: torch.Tensor, count: int) -> None:
-        self.window += loss
+        self.window_sum += loss
         self.epoch += loss
         self.window_steps += 1
         self.epoch_steps += 1
         self.window_samples += count
 
-    def window_mean(
-        self, proposal: int = 1, flag: int = 0, save: int = 0, mine=(0.0, 0.0), rank: int = 0
-    ) -> tuple[float, int, int, bool, tuple[list[float], list[float]]]:
-        """The window's mean loss per step over all ranks, the mean of the ranks' integer
-        `proposal`s rounded up, the sum of their integer `flag`s, whether any rank asked for a
-        `save`, and every rank's pair of numbers `mine` (its own slots, zeros elsewhere: an
-        exact sum), all in one collective; starts a new window."""
+    def window(
+        self,
+        *,
+        rank: int = 0,
+        vote_every: int = 1,
+        metrics_errno: int = 0,
+        save_due: bool = False,
+        forward_s: float = 0.0,
+        data_wait_s: float = 0.0,
+    ) -> Window:
+        """The window's mean loss per step over all ranks and what else the ranks tell each
+        other once a window (Window's fields), in one all-reduce; starts a new window.
+
+        Every value is a slot of one float64 vector summed over the ranks: the ranks' integer
+        proposals, flags and 0/1 votes add exactly, and each rank's own times go to slots of its
+        own (zeros elsewhere), so the sum hands every rank everyone's."""
         w = self.world_size
-        values = np.zeros(3 + 2 * w)  # numpy: filling a few slots costs no tensor op each
-        values[[0, 1, 2, 3 + rank, 3 + w + rank]] = (proposal, flag, save, *mine)
-        extra = torch.from_numpy(values).to(self.window.device)
-        loss, proposals, flags, saves, *per_rank = ranks.all_reduce_sum(
-            torch.cat([self.window[None], extra])
-        ).tolist()
-        self.window.zero_()
+        values = np.zeros(len(_SUMMED) + len(_PER_RANK) * w)  # numpy: no tensor op per slot
+        values[: len(_SUMMED)] = (vote_every, metrics_errno, int(save_due))
+        values[len(_SUMMED) + rank :: w] = (forward_s, data_wait_s)
+        extra = torch.from_numpy(values).to(self.window_sum.device)
+        loss, *rest = ranks.all_reduce_sum(torch.cat([self.window_sum[None], extra])).tolist()
+        summed, per_rank = rest[: len(_SUMMED)], rest[len(_SUMMED) :]
         mean = loss / self.window_steps
+        self.window_sum.zero_()
         self.window_steps = self.window_samples = 0
-        firsts, seconds = per_rank[:w], per_rank[w:]
-        return mean, math.ceil(proposals / w), int(flags), saves > 0, (firsts, seconds)
+        return Window(
+            loss=mean,
+            vote_every=math.ceil(summed[0] / w),
+            metrics_errno=int(summed[1]),
+            save_due=summed[2] > 0,
+            forward_s=per_rank[:w],
+            data_wait_s=per_rank[w:],
+        )
 
     def epoch_mean(self) -> float | None:
         """The epoch's mean loss per step (a collective), None if it had no steps; starts anew."""

@@ -324,6 +324,32 @@ def gather_objects(obj, dst: int = 0) -> list | None:
     return out
 
 
+def main_decides(decide, *args, catch: tuple = (), error: type[Exception] | None = None):
+    """Rank 0 runs decide(*args); what it returns, or the error it raises (a TrainerError, or one
+    of `catch`), reaches every rank: all return the same value or raise the same error (with
+    `error`: as that class, e.g. ConfigError for a mistake rank 0 alone reports). The other
+    ranks never call `decide`."""
+    from trainer.errors import TrainerError
+
+    caught = (TrainerError, *catch)
+    outcome = None
+    if not _joined() or _rank() == 0:
+        try:
+            outcome = (decide(*args), None)
+        except caught as e:
+            outcome = (None, e)
+    value, failed = broadcast_object(outcome)
+    if failed is not None:
+        raise error(str(failed)) if error else failed
+    return value
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
 def first_of_ranks(obj):
     """The lowest rank's non-None `obj` (e.g. an error), on every rank; None if every rank's is
     None. Rank 0 gathers and picks, so all ranks act on the same one."""

@@ -47,6 +47,13 @@ class Results:
         out["data_wait_s"] = self.data_wait_s
         return out
 
+    def state_dict(self) -> dict:
+        return self.to_dict()
+
+    def load_state_dict(self, saved: dict) -> None:
+        """From meta.json's "results", in place (the loop and the checkpointer share this one)."""
+        self.__dict__.update(Results.from_dict(saved).__dict__)
+
     @classmethod
     def from_dict(cls, saved: dict) -> Results:
         """From meta.json's "results" (store.check_payload has checked its shape)."""

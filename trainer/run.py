@@ -1,7 +1,8 @@
 """A run: everything one rank trains with, built once from the config and the rank facts.
 
-`build` is the setup half of `trainer train`: data -> model -> wrap -> optimizer -> resume. The
-functions that drive a run (loop.fit, dryrun.check, train's record and finish) take the Run.
+`build` is the setup half of `trainer train`: data -> model -> wrap -> optimizer -> resume; the
+Run it returns is complete (nothing sets its fields afterwards). The functions that drive a run
+(loop.train_loop, dryrun.check, train's record and finish) take the Run.
 """
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, models, optim, perf, repro, sampler, tasks
-from trainer.checkpoint.manager import Checkpointer, LoopState
+from trainer import data, models, optim, perf, ranks, repro, sampler, tasks
+from trainer.checkpoint.manager import Checkpointer
+from trainer.checkpoint.resume import Resume
 from trainer.checkpoint.weights import load_weights_into
 from trainer.config import Config, TrainConfig
-from trainer.diagnostics import ForwardTimer, Stragglers, Watchdog
+from trainer.diagnostics import ForwardTimer, Stragglers, Watchdog, Where
 from trainer.errors import ConfigError, UsageError
+from trainer.evaluate import evaluate
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
 from trainer.ranks import World
 from trainer.results import Results
 from trainer.signals import StopSignal
+from trainer.state import LoopState, ModelState, Parts, RankRNG, ScheduleState
 from trainer.step import TrainStep, make_scaler
 from trainer.strategy import Strategy, WorldInvariant, checkpoint_activations, rank_memory
 from trainer.tasks import Task
@@ -40,8 +44,11 @@ class Plugins:
     """A trainer.Task, or a Task subclass or factory called as task.name's are."""
 
 
-@dataclass(kw_only=True, eq=False)
+@dataclass(kw_only=True, eq=False, frozen=True)
 class Run:
+    """Everything one rank trains with; complete when build returns (its fields are never
+    reassigned: the loop state, results and step change inside their own objects)."""
+
     cfg: Config
     world: World
     strategy: Strategy
@@ -65,12 +72,14 @@ class Run:
     """One device's dense peak FLOP/s for the run's precision, None if unknown (any CPU)."""
     started: float
     """time.time() when `trainer train` began."""
-    watchdog: Watchdog = field(default_factory=lambda: Watchdog(where=None, stall_s=0, timeout_s=1))
-    """Names a stall (trainer/diagnostics.py); a disabled one until train starts it."""
+    resumed: Resume | None = None
+    """The checkpoint the run continues from (None: a fresh start)."""
+    watchdog: Watchdog
+    """Names a stall (trainer/diagnostics/); train starts it when training starts."""
     stragglers: Stragglers | None = None
     """Rank 0's per-rank forward and data-wait accounting (None elsewhere)."""
     hosts: list | None = None
-    """Rank 0: every rank's (node, host), gathered when the run's record is written."""
+    """Rank 0: every rank's (node, host), in rank order (None elsewhere)."""
     folder_chosen: bool = False
     """run_dir was left out and the trainer picked a new folder (a rerun would pick another)."""
 
@@ -159,17 +168,6 @@ def layout(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
     return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
 
 
-def _fresh_start(
-    cfg: Config, world: World, step: TrainStep, log: RunLogger
-) -> tuple[LoopState, Results]:
-    """No checkpoint to resume: ckpt.init_weights if set, then each rank's own RNG stream."""
-    if cfg.ckpt.init_weights:
-        load_weights_into(step.model, cfg.ckpt.init_weights, step.strategy, cfg.model)
-        log.info(f"initial weights from {cfg.ckpt.init_weights}")
-    repro.seed_rank(cfg.seed, world.rank)
-    return LoopState(), Results()
-
-
 def build(
     cfg: Config,
     world: World,
@@ -177,31 +175,83 @@ def build(
     stop: StopSignal,
     started: float,
     plugins: Plugins | None = None,
+    folder_chosen: bool = False,
 ) -> Run:
-    """Data, task, model, wrapping, optimizer and schedule, then the resume (or a fresh start)."""
+    """Data, task, model, wrapping, optimizer and schedule, then the resume (or a fresh start):
+    the Run, complete."""
     plugins = plugins or Plugins()
-    torch.manual_seed(cfg.seed)  # same initial weights on every rank and every world size
-    spec = data.build(cfg.data, cfg.seed, world.device, source=plugins.data)
-    task = tasks.build(cfg.task, spec, source=plugins.task)
-    model = _model(cfg, spec, plugins.model).to(world.device)
-    # Counted only where it is reported (rank 0 logs and writes the summary) and where it means
-    # something: MFU needs a device whose peak is known (a GPU). Counting costs a model copy, a
-    # forward/backward and FlopCounterMode's imports (triton's among them): start-up time for a
-    # number a CPU run never shows.
-    peak = perf.peak_flops(perf.device_name(world.device), cfg.train.precision)
-    flops = (
-        perf.flops_per_sample(model, task, next(data.eval_batches(spec, 2, 0, 1)), world.device)
-        if world.is_main and peak
-        else None
+    spec, task, model = inputs(cfg, world.device, plugins)
+    flops, peak = _flops(cfg, world, spec, task, model)
+    model = _wrap(cfg, world, strategy, model)
+    per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
+    total = total_steps(cfg.train, per_epoch)
+    if isinstance(strategy, WorldInvariant):
+        _check_shards_fit_batchnorm(cfg, model, len(spec.train))
+    step = _train_step(cfg, world, strategy, model, task, per_epoch, total)
+    log = RunLogger(
+        main=world.is_main, progress=cfg.log.progress, total_steps=total, epochs=cfg.train.epochs
     )
+    if note := strategy.note(world):
+        log.info(note)
+    parts = Parts(
+        model=ModelState(model, step.optimizer, strategy),
+        schedule=ScheduleState(step.scheduler, step.scaler),
+        loop=LoopState(),
+        results=Results(),
+        rng=RankRNG(world, cfg.seed),
+    )
+    ckpt = Checkpointer(cfg, world, parts, log)
+    resumed = ckpt.restore()
+    if resumed is None:
+        _fresh_start(cfg, parts, log)
+    hosts = ranks.gather_objects((world.node_rank, repro.hostname()))
+    return Run(
+        cfg=cfg, world=world, strategy=strategy, data=spec, task=task, step=step, ckpt=ckpt,
+        log=log, stop=stop, state=parts.loop, results=parts.results, resumed=resumed,
+        steps_per_epoch=per_epoch, total_steps=total, started=started, flops_per_sample=flops,
+        peak_flops=peak, watchdog=_watchdog(cfg, world), hosts=hosts,
+        stragglers=Stragglers(world.size) if world.is_main else None, folder_chosen=folder_chosen,
+    )  # fmt: skip
+
+
+def inputs(cfg: Config, device: str, plugins: Plugins) -> tuple:
+    """(data, task, model): what the config (or trainer.fit's plugins) names, the model built
+    after the same seed on every rank and every world size (the same initial weights), batches
+    and model on `device`. What `trainer train` and `trainer eval` start from."""
+    torch.manual_seed(cfg.seed)
+    spec = data.build(cfg.data, cfg.seed, device, source=plugins.data)
+    task = tasks.build(cfg.task, spec, source=plugins.task)
+    return spec, task, _model(cfg, spec, plugins.model).to(device)
+
+
+def _flops(cfg: Config, world: World, spec, task: Task, model) -> tuple:
+    """(FLOPs per sample, the device's dense peak FLOP/s), each None where not known.
+
+    Counted only where it is reported (rank 0 logs and writes the summary) and where it means
+    something: MFU needs a device whose peak is known (a GPU). Counting costs a model copy, a
+    forward/backward and FlopCounterMode's imports (triton's among them): start-up time for a
+    number a CPU run never shows."""
+    peak = perf.peak_flops(perf.device_name(world.device), cfg.train.precision)
+    if not (world.is_main and peak):
+        return None, peak
+    sample = next(data.eval_batches(spec, 2, 0, 1))
+    return perf.flops_per_sample(model, task, sample, world.device), peak
+
+
+def _wrap(cfg: Config, world: World, strategy: Strategy, model: torch.nn.Module):
+    """The model laid out, checkpointed, wrapped by the strategy and compiled, in that order."""
     model = layout(model, cfg.train)
     if cfg.train.activation_checkpointing:
         checkpoint_activations(model)
     model = strategy.wrap(model, world)
     if cfg.train.compile:
         model = torch.compile(model)  # after DDP: compiled graphs break at its bucket boundaries
-    per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
-    total = total_steps(cfg.train, per_epoch)
+    return model
+
+
+def _train_step(cfg, world, strategy, model, task, per_epoch: int, total: int) -> TrainStep:
+    """The optimizer (built after wrapping: FSDP's must see the sharded parameters), schedule,
+    scaler and, under repro.world_invariant, the shard gradients, in one TrainStep."""
     optimizer = optim.build_optimizer(cfg.optim, model.parameters())
     step = TrainStep(
         cfg=cfg.train,
@@ -217,37 +267,38 @@ def build(
         forward_s=ForwardTimer(world.device),
     )
     if isinstance(strategy, WorldInvariant):
-        _check_shards_fit_batchnorm(cfg, model, len(spec.train))
         step.shards = ShardedGradients(
             model, rank=world.rank, world_size=world.size, shards=strategy.shards
         )
-    log = RunLogger(
-        main=world.is_main, progress=cfg.log.progress, total_steps=total, epochs=cfg.train.epochs
-    )
-    if note := strategy.note(world):
-        log.info(note)
-    ckpt = Checkpointer(cfg, world, step, log)
-    resumed = ckpt.restore()
-    state, results = resumed or _fresh_start(cfg, world, step, log)
-    return Run(
-        cfg=cfg,
-        world=world,
-        strategy=strategy,
-        data=spec,
-        task=task,
-        step=step,
-        ckpt=ckpt,
-        log=log,
-        stop=stop,
-        state=state,
-        results=results,
-        steps_per_epoch=per_epoch,
-        total_steps=total,
-        started=started,
-        flops_per_sample=flops,
-        peak_flops=peak,
-        stragglers=Stragglers(world.size) if world.is_main else None,
-    )
+    return step
+
+
+def _fresh_start(cfg: Config, parts: Parts, log: RunLogger) -> None:
+    """No checkpoint to resume: ckpt.init_weights if set, then each rank's own RNG stream."""
+    if cfg.ckpt.init_weights:
+        model = parts.model
+        load_weights_into(model.model, cfg.ckpt.init_weights, model.strategy, cfg.model)
+        log.info(f"initial weights from {cfg.ckpt.init_weights}")
+    parts.rng.fresh()
+
+
+def _watchdog(cfg: Config, world: World) -> Watchdog:
+    """The stall watchdog of this rank (trainer/diagnostics/), started when training starts."""
+    where = Where(
+        world.rank, world.node_rank, repro.hostname(), world.size, world.restart_count,
+        os.path.abspath(cfg.run_dir),
+    )  # fmt: skip
+    return Watchdog(where=where, stall_s=cfg.dist.stall_s, timeout_s=cfg.dist.timeout_s)
+
+
+def evaluate_saved(cfg: Config, src: str) -> dict:
+    """`trainer eval`: the weights at `src` (run dir, checkpoint dir or weights file) on cfg's
+    data, built as `trainer train` builds them."""
+    world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
+    with ranks.process_group(world, cfg.dist.timeout_s):
+        spec, task, model = inputs(cfg, "cpu", Plugins())  # batches go to the model's device
+        load_weights_into(model, src, model_cfg=cfg.model)
+        return evaluate(model.to(world.device), spec, task, world, cfg.data.eval_batch_size)
 
 
 def _model(cfg: Config, spec: data.DataSpec, given) -> torch.nn.Module:

@@ -23,30 +23,11 @@ from trainer import batch as batches
 from trainer import ranks
 from trainer.config import TrainConfig
 from trainer.diagnostics import ForwardTimer
-from trainer.errors import first_line
 from trainer.invariant import ShardedGradients, seed_shard
 from trainer.strategy import Strategy
 from trainer.tasks import Task, checked_count, checked_loss, forward, no_terms
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class StateMismatch(ValueError):
-    """A saved state that does not fit this step; `part` names which (model, optimizer,
-    scheduler, scaler) and `detail` says how."""
-
-    def __init__(self, part: str, detail: str):
-        super().__init__(f"{part}: {detail}")
-        self.part, self.detail = part, detail
-
-
-@contextlib.contextmanager
-def _loading(part: str):
-    """A loader's complaint about the saved contents -> StateMismatch naming the part."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise StateMismatch(part, first_line(e)) from None
 
 
 def make_scaler(cfg: TrainConfig, device: str) -> torch.amp.GradScaler:
@@ -58,7 +39,8 @@ def make_scaler(cfg: TrainConfig, device: str) -> torch.amp.GradScaler:
 
 @dataclass(kw_only=True, eq=False)
 class TrainStep:
-    """The model (wrapped for training), what updates it, and how one step runs.
+    """One optimizer step: the model (wrapped for training) and what updates it, and how a step
+    runs. What of them a checkpoint holds is trainer/state.py's (ModelState, ScheduleState).
 
     Micro-steps (train.micro_batch_size) accumulate gradients without synchronising until the
     last, so there is one all-reduce per step and the gradient equals the unsplit step's.
@@ -82,39 +64,7 @@ class TrainStep:
     seed: int = 0
     """Seeds each shard's dropout (with the step and shard index) under repro.world_invariant."""
     forward_s: ForwardTimer = field(default_factory=lambda: ForwardTimer("cpu"))
-    """This rank's forward time (straggler accounting: trainer/diagnostics.py)."""
-
-    def state_dict(self, *, tensors: bool = True) -> dict:
-        """What a checkpoint holds of this step: the schedule's position and the loss scaler,
-        and (tensors=True) the model's full weights and the optimizer's state, which a sharded
-        checkpoint writes itself (checkpoint/sharded.py) instead."""
-        out = {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
-        if tensors:
-            out["model"] = self.strategy.full_state_dict(self.model)
-            out["optimizer"] = self.optimizer.state_dict()
-        return out
-
-    def load_state_dict(self, state: dict) -> None:
-        """Load what state_dict gave (the parts present); StateMismatch names a part that does
-        not fit. The lr schedule is this run's (a pure function of the step, so a resume may
-        change train.epochs): only the scheduler's position is restored."""
-        if "model" in state:
-            from trainer.checkpoint.weights import fit_problem
-
-            if problem := fit_problem(self.model, state["model"]):
-                raise StateMismatch("model", problem)
-            self.strategy.load_state_dict(self.model, state["model"])
-        if "optimizer" in state:
-            with _loading("optimizer"):
-                self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
-        sched = dict(state["scheduler"])
-        lambdas = sched.get("lr_lambdas", [])
-        sched["lr_lambdas"] = [None] * (len(lambdas) if isinstance(lambdas, list) else 0)
-        with _loading("scheduler"):
-            self.scheduler.load_state_dict(sched)
-        if state.get("scaler"):
-            with _loading("scaler"):
-                self.scaler.load_state_dict(state["scaler"])
+    """This rank's forward time (straggler accounting: trainer/diagnostics/stragglers.py)."""
 
     def _chunks(self, batch) -> list:
         return batches.split(batch, self.cfg.micro_batch_size)

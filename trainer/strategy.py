@@ -1,8 +1,8 @@
 """How the model is spread over ranks: none | ddp | fsdp | dp, behind one small interface.
 
 A Strategy wraps the model for training, turns off the gradient sync for all micro-steps but the
-last, moves whole (unsharded) state dicts in and out, and says whether its checkpoints are
-sharded (every rank writes its part with torch.distributed.checkpoint) or whole (rank 0 writes).
+last, and moves whole (unsharded) state dicts in and out. How a checkpoint holds the weights is
+the checkpointer's decision, from the state itself (trainer/state.py: DTensor shards or not).
 `unwrap` gives the user's module back; a state dict never carries `module.`/`_orig_mod.`.
 """
 
@@ -26,8 +26,6 @@ class Strategy:
     """none: the model as it is, in one process."""
 
     name = "none"
-    sharded = False
-    """Checkpoints are DCP shards written by every rank (else whole files written by rank 0)."""
     needs_group = False
     """A process group even for one process."""
 
@@ -42,9 +40,11 @@ class Strategy:
         """Around a micro-step whose gradients must not be synchronised yet."""
         return contextlib.nullcontext()
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The whole model's weights as plain CPU tensors (a collective for sharded strategies;
-        only rank 0 is guaranteed to receive them)."""
+    def full_state_dict(self, model: nn.Module, world: World | None = None) -> dict | None:
+        """The whole model's weights as plain CPU tensors (a collective for sharded strategies:
+        every rank calls it). With `world`, only rank 0 receives them (None elsewhere)."""
+        if world is not None and not world.is_main:
+            return None
         return plain_state_dict(model)
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -116,7 +116,6 @@ class FSDP(Strategy):
     """
 
     name = "fsdp"
-    sharded = True
     needs_group = True
     """Even on one rank: FSDP2 and DCP work on a device mesh, which needs a process group."""
 
@@ -155,11 +154,13 @@ class FSDP(Strategy):
         finally:
             model.set_requires_gradient_sync(True)
 
-    def full_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, model: nn.Module, world: World | None = None) -> dict | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(model, options=options)  # all-gathers; rank 0 keeps it
+        if world is not None and not world.is_main:
+            return None
         return {k: v.contiguous().clone() for k, v in state.items()}
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:

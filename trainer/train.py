@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -22,8 +23,8 @@ import torch
 from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strategy
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
-from trainer.diagnostics import Watchdog, Where, flight_recorder_env
-from trainer.errors import first_line, io_error
+from trainer.diagnostics import flight_recorder_env
+from trainer.errors import ConfigError, first_line, io_error
 from trainer.run import Plugins, Run, build
 from trainer.signals import StopSignal
 
@@ -58,10 +59,10 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
     ):
         chosen_here = not cfg.run_dir
         if chosen_here:  # a new folder per run (or the launcher's): rank 0 decides for all
-            chosen = rundir.resolve(cfg.name, None, claim=not dry_run) if world.is_main else None
-            cfg = dataclasses.replace(cfg, run_dir=ranks.broadcast_object(chosen))
-        run = build(cfg, world, how, stop, started, plugins)
-        run.folder_chosen = chosen_here
+            pick = functools.partial(rundir.resolve, cfg.name, None, claim=not dry_run)
+            chosen = ranks.main_decides(pick, error=ConfigError)
+            cfg = dataclasses.replace(cfg, run_dir=chosen)
+        run = build(cfg, world, how, stop, started, plugins, folder_chosen=chosen_here)
         if dry_run:
             checked = dryrun.check(run)
             if world.is_main and chosen_here:  # leave no empty folder of a run that never ran
@@ -72,9 +73,9 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
         if previous is not None:
             return previous
         record = record_start(run)
-        run.watchdog = _watchdog(run).start()
+        run.watchdog.start()
         try:
-            loop.fit(run)
+            loop.train_loop(run)
         except (RuntimeError, OSError) as e:  # a lost peer, a collective's timeout: say where
             if world.distributed and ranks.is_peer_failure(e):
                 run.watchdog.wait_if_firing()
@@ -87,15 +88,9 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
         return finish(run, record)
 
 
-def _watchdog(run: Run) -> Watchdog:
-    w = run.world
-    where = Where(w.rank, w.node_rank, repro.hostname(), w.size, w.restart_count, run.run_dir)
-    return Watchdog(where=where, stall_s=run.cfg.dist.stall_s, timeout_s=run.cfg.dist.timeout_s)
-
-
 @contextlib.contextmanager
 def _flight_recorder(cfg: Config, world):
-    """NCCL's flight recorder on for GPU jobs (trainer/diagnostics.py), its dumps under the run
+    """NCCL's flight recorder on for GPU jobs (trainer/diagnostics/nccl.py), its dumps under the run
     folder, or runs/<name>/ while the folder is still to be chosen; the variables are set for
     the process group's creation and removed after it is gone."""
     if world.backend != "nccl":
@@ -112,24 +107,26 @@ def _flight_recorder(cfg: Config, world):
 
 def finished_summary(run: Run) -> dict | None:
     """The summary of a run that already reached its last step (rank 0 reads it for everyone)."""
-    summary = None
+    return ranks.main_decides(_read_finished, run)
+
+
+def _read_finished(run: Run) -> dict | None:
     path = os.path.join(run.run_dir, "summary.json")
-    if run.world.is_main and run.finished and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            summary = json.load(f)
-        run.log.info(
-            f"{run.run_dir} is already complete (step {run.state.step}/{run.total_steps}); "
-            "nothing to do. To train again: leave run_dir out (a new folder), or ckpt.resume=never"
-        )
-    return ranks.broadcast_object(summary)
+    if not (run.finished and os.path.isfile(path)):
+        return None
+    with open(path, encoding="utf-8") as f:
+        summary = json.load(f)
+    run.log.info(
+        f"{run.run_dir} is already complete (step {run.state.step}/{run.total_steps}); "
+        "nothing to do. To train again: leave run_dir out (a new folder), or ckpt.resume=never"
+    )
+    return summary
 
 
 def record_start(run: Run) -> dict:
     """config.yaml and run.json in run_dir (rank 0), the metrics log opened; returns the record
     of where and how the run runs (run.json without its start time)."""
-    where = ranks.gather_objects((run.world.node_rank, repro.hostname()))
-    run.hosts = where if run.world.is_main else None
-    record = _run_record(run, hosts=[host for _, host in where] if where else None)
+    record = _run_record(run, hosts=[host for _, host in run.hosts] if run.hosts else None)
     if run.world.is_main:  # only rank 0 writes shared files
         try:
             os.makedirs(run.run_dir, exist_ok=True)
@@ -144,8 +141,8 @@ def record_start(run: Run) -> dict:
     resume_step = run.state.step or None
     run.log.open(run.run_dir, resume_step=resume_step, tensorboard=run.cfg.log.tensorboard)
     run.log.info(run.banner())
-    if run.ckpt.resumed_with:
-        change = {"kind": "resume", "step": run.state.step, "changes": run.ckpt.resumed_with}
+    if changes := _schedule_changes(run):
+        change = {"kind": "resume", "step": run.state.step, "changes": changes}
         run.log.record(change, console=False)
     return record
 
@@ -158,9 +155,14 @@ def _resumes(run: Run) -> list[dict]:
             earlier = json.load(f).get("resumes") or []
     except (OSError, ValueError, AttributeError):
         earlier = []
-    if run.ckpt.resumed_with:
-        earlier = [*earlier, {"step": run.state.step, "changes": run.ckpt.resumed_with}]
+    if changes := _schedule_changes(run):
+        earlier = [*earlier, {"step": run.state.step, "changes": changes}]
     return earlier
+
+
+def _schedule_changes(run: Run) -> dict:
+    """The schedule-shaping keys this segment's resume changed (empty: none, or no resume)."""
+    return run.resumed.schedule_changes if run.resumed else {}
 
 
 def _run_record(run: Run, hosts: list | None) -> dict:
@@ -211,9 +213,7 @@ def finish(run: Run, record: dict) -> dict:
         ),
         "config": to_dict(run.cfg),
     }
-    weights = None
-    if w.is_main or run.strategy.sharded:  # gathering shards is a collective
-        weights = run.strategy.full_state_dict(run.model)
+    weights = run.strategy.full_state_dict(run.model, w)  # every rank: shards are gathered
     if w.is_main:
         final = os.path.join(run.run_dir, "final")
         try:

@@ -19,11 +19,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer.checkpoint.store import SHARDED_DIR, describe_error
 from trainer.errors import UsageError, first_line
-from trainer.strategy import local_part, unwrap
+from trainer.strategy import local_part
 
 _METADATA_GLOBALS = {
     *(
@@ -111,21 +110,21 @@ class ShardWriteError(Exception):
     which the checkpointer's recovery from a failed save would not catch)."""
 
 
-def _save_args(model: torch.nn.Module, optimizer, folder: str) -> dict:
-    """What dcp.save and dcp.async_save take: this rank's shards, the writer into folder/dcp,
-    and a planner that writes replicated tensors (BatchNorm statistics) from the lowest rank."""
-    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
+def _save_args(state: dict, folder: str) -> dict:
+    """What dcp.save and dcp.async_save take: this rank's shards (`state`: ModelState.state_dict's
+    {"model", "optim"}), the writer into folder/dcp, and a planner that writes replicated tensors
+    (BatchNorm statistics) from the lowest rank."""
     return {
-        "state_dict": {"model": model_state, "optim": optim_state},
+        "state_dict": state,
         "storage_writer": dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True),
         "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=True),
     }
 
 
-def save(model: torch.nn.Module, optimizer, folder: str) -> None:
-    """Every rank writes its shards of model and optimizer into folder/dcp (a collective)."""
+def save(state: dict, folder: str) -> None:
+    """Every rank writes its shards of `state` into folder/dcp (a collective)."""
     try:
-        dcp.save(**_save_args(model, optimizer, folder))
+        dcp.save(**_save_args(state, folder))
     except CheckpointException as e:
         raise ShardWriteError(describe_error(e)) from None
 
@@ -156,7 +155,7 @@ class HostCopy:
         pass
 
 
-def save_in_background(model: torch.nn.Module, optimizer, folder: str, group, stager=None):
+def save_in_background(state: dict, folder: str, group, stager=None):
     """Start save() in the background (a collective): every rank copies its shards to host
     memory now (with `stager`, a HostCopy, into its buffers) and writes them on DCP's thread,
     whose plan and metadata exchange run on `group`.
@@ -164,7 +163,7 @@ def save_in_background(model: torch.nn.Module, optimizer, folder: str, group, st
     from concurrent.futures import Future
 
     upload = dcp.async_save(
-        **_save_args(model, optimizer, folder),
+        **_save_args(state, folder),
         process_group=group,
         async_stager=stager,  # None: the writer's own (fresh host buffers every save)
     )
@@ -194,15 +193,10 @@ def missing_shards(folder: str) -> list[str]:
     return sorted(n for n in names if not os.path.isfile(os.path.join(path, n)))
 
 
-def load(model: torch.nn.Module, optimizer, folder: str) -> None:
-    """Load a sharded checkpoint into the wrapped model and its optimizer, whatever strategy and
-    world size saved it (a collective)."""
-    model_state, optim_state = get_state_dict(unwrap(model), optimizer)
-    state = {"model": model_state, "optim": optim_state}
+def load(state: dict, folder: str) -> None:
+    """Fill `state` (ModelState.state_dict's form, this rank's layout) from the shards in
+    folder/dcp, whatever strategy and world size saved them (a collective)."""
     _load(state, os.path.join(folder, SHARDED_DIR))
-    set_state_dict(
-        unwrap(model), optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
 
 
 def read_model(folder: str) -> dict[str, torch.Tensor]:
@@ -222,20 +216,10 @@ def read_model(folder: str) -> dict[str, torch.Tensor]:
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
-def local_model_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's part of the model's weights (its shards; whole tensors when not sharded)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return {k: local_part(v).detach().cpu() for k, v in get_model_state_dict(unwrap(model)).items()}
-
-
-def read_local_model(model: torch.nn.Module, folder: str) -> dict[str, torch.Tensor]:
-    """This rank's part of the weights stored in a sharded checkpoint, laid out as `model`'s (a
-    collective): what the dry run compares against the live weights."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    template = {
-        "model": {k: torch.empty_like(v) for k, v in get_model_state_dict(unwrap(model)).items()}
-    }
-    _load(template, os.path.join(folder, SHARDED_DIR))
-    return {k: local_part(v).detach().cpu() for k, v in template["model"].items()}
+def read_local_model(template: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Tensor]:
+    """This rank's part of the weights stored in a sharded checkpoint, laid out as `template`
+    (the live model's state in DCP's form), on the CPU (a collective): what the dry run
+    compares against the live weights."""
+    state = {"model": {k: torch.empty_like(v) for k, v in template.items()}}
+    _load(state, os.path.join(folder, SHARDED_DIR))
+    return {k: local_part(v).detach().cpu() for k, v in state["model"].items()}

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from trainer.errors import UsageError, first_line
+from trainer.state import LOOP_KEYS
 
 MANIFEST = "MANIFEST.sha256"
 COMMON = ("state.pt", "meta.json", "config.yaml")
@@ -144,6 +145,24 @@ def read_safetensors(path: str) -> dict[str, torch.Tensor]:
         raise UsageError(f"{path}: not a readable safetensors file ({e})") from None
 
 
+def save_safetensors(
+    state: dict[str, torch.Tensor], path: str, metadata: dict | None = None
+) -> None:
+    """safetensors' save_file, whose failed writes (full disk, I/O error, read-only disk) raise
+    an OSError with the OS's errno, as any other file's do: safetensors says it only in its
+    message, and without the errno a read-only disk would pass for a retryable failure."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(state, path, metadata=metadata)
+    except SafetensorError as e:
+        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
+        if found is None:
+            raise
+        raise OSError(int(found[2]), found[1], path) from None
+
+
 def _torch_save(obj, path: str) -> None:
     """torch.save through Python I/O: a full disk raises OSError ENOSPC, not a C++ enforce message."""
     buf = io.BytesIO()
@@ -245,11 +264,9 @@ def write(
 
     `model` is a plain state_dict of CPU tensors (what safetensors stores).
     """
-    from safetensors.torch import save_file
-
     path = step_dir(root, step)
     with atomic_dir(path) as tmp:
-        save_file(model, os.path.join(tmp, "model.safetensors"))
+        save_safetensors(model, os.path.join(tmp, "model.safetensors"))
         _torch_save(optimizer, os.path.join(tmp, "optimizer.pt"))
         seal(tmp, extra=extra, meta=meta, config_yaml=config_yaml)
     return path
@@ -295,9 +312,6 @@ def read(path: str) -> dict:
         payload["optimizer"] = torch_load(os.path.join(path, "optimizer.pt"))
     check_payload(payload)
     return payload
-
-
-LOOP_KEYS = ("epoch", "step", "step_in_epoch", "samples_seen")
 
 
 def _is_int(v) -> bool:

@@ -8,7 +8,6 @@ model, and a GPU-saved file loads on the CPU. `export` writes what loads with sa
 from __future__ import annotations
 
 import os
-import re
 import shutil
 
 import torch
@@ -16,7 +15,8 @@ from torch import nn
 
 from trainer.checkpoint import store
 from trainer.errors import UsageError, io_error
-from trainer.strategy import Strategy, local_part, unwrap
+from trainer.state import fit_problem, non_finite
+from trainer.strategy import Strategy
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -36,23 +36,8 @@ def save_weights(
 ) -> str:
     """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer."""
     with store.atomic_dir(directory) as tmp:
-        _save_file(state, os.path.join(tmp, "model.safetensors"), metadata)
+        store.save_safetensors(state, os.path.join(tmp, "model.safetensors"), metadata)
     return os.path.join(directory, "model.safetensors")
-
-
-def _save_file(state: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
-    """safetensors' save_file, whose failed writes (full disk, I/O error) raise an OSError, as
-    any other file's do: safetensors reports the OS's error only in its message."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save_file
-
-    try:
-        save_file(state, path, metadata=metadata)
-    except SafetensorError as e:
-        found = re.search(r"I/O error: (.*?) \(os error (\d+)\)", str(e))
-        if found is None:
-            raise
-        raise OSError(int(found[2]), found[1], path) from None
 
 
 def _checkpoint_at(folder: str) -> str | None:
@@ -107,34 +92,12 @@ def _finite(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor
     return state
 
 
-def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
-    """Names of the floating-point tensors holding NaN or inf (this rank's shard of a DTensor)."""
-    return [
-        name
-        for name, t in state.items()
-        if t.is_floating_point() and not bool(local_part(t).isfinite().all())
-    ]
-
-
 def non_finite_text(bad: list[str], what: str = "the weights hold") -> str:
     more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
     return (
         f"{what} NaN/inf values ({bad[0]}{more}): the run that saved them diverged; "
         "use an earlier checkpoint (RUN/checkpoints/step-N)"
     )
-
-
-def fit_problem(model: nn.Module, state: dict) -> str | None:
-    """How a state dict fails to fit `model` (names first, then shapes), or None if it fits."""
-    expected = unwrap(model).state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        return f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-    for name, tensor in expected.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            return f"{name} has shape {tuple(state[name].shape)} there, {tuple(tensor.shape)} here"
-    return None
 
 
 def load_weights_into(
@@ -240,7 +203,7 @@ def export(src: str, out: str | None = None) -> str:
     config = find_config(src)
     try:
         with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
-            _save_file(
+            store.save_safetensors(
                 {k: v.contiguous() for k, v in state.items()},
                 os.path.join(tmp, "model.safetensors"),
             )
