@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from tests import helpers
 from tests.helpers import (
     TINY_GPT,
     checkpoints,
@@ -309,6 +310,24 @@ def test_dry_run_under_fsdp_reports_per_rank_memory(tmp_path):
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("per rank: params"))
     assert "grads" in line and "optimizer" in line
     assert not (run_dir / "checkpoints").exists() or not checkpoints(run_dir)
+
+
+def test_a_model_without_shard_units_saves_sharded_checkpoints_after_evaluations(tmp_path):
+    """FSDP2 leaves the root's parameters unsharded after an evaluation's forward (no backward
+    follows), and a model without shard units has only the root: the saves after each epoch's
+    evaluation, and the final one, are still every rank's shards (the format is decided as the
+    model is built, never from what a forward left behind: rank 0 alone would gather)."""
+    run_dir = tmp_path / "run"
+    trainer(
+        "train", *helpers.TINY, "train.epochs=2", "dist.strategy=fsdp", f"run_dir={run_dir}",
+        nproc=2, torchrun=False, timeout=120,
+    )  # fmt: skip
+    saved = checkpoints(run_dir)
+    assert len(saved) >= 2, saved
+    for name in saved:
+        meta = json.loads((run_dir / "checkpoints" / name / "meta.json").read_text())
+        assert meta["format"] == "sharded", (name, meta["format"])
+        assert (run_dir / "checkpoints" / name / "dcp" / ".metadata").is_file()
 
 
 def test_dp_refuses_a_multi_process_launch_in_one_line(tmp_path):

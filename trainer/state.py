@@ -78,17 +78,17 @@ class ModelState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy):
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        # Looked at once, as built: FSDP2 leaves a root's parameters unsharded after a forward
+        # with no backward (an evaluation), so asking later could give another answer on the
+        # next save, and rank 0 alone would gather.
+        self.sharded = any(hasattr(p, "to_local") for p in model.parameters())
+        """Whether this rank holds only shards of the weights (DTensors, as under fsdp): then no
+        rank can write the whole model alone."""
 
     @property
     def layout(self) -> str:
         """How the weights are spread (the strategy's name): recorded in meta.json."""
         return self.strategy.name
-
-    @property
-    def sharded(self) -> bool:
-        """Whether this rank holds only shards of the weights (DTensors, as under fsdp): then no
-        rank can write the whole model alone."""
-        return any(hasattr(p, "to_local") for p in self.model.parameters())
 
     def state_dict(self) -> dict:
         """{"model", "optim"} in torch.distributed.checkpoint's form: keyed by parameter name,
