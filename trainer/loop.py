@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from trainer import data, perf, ranks
+from trainer import data, guards, perf, ranks
 from trainer.checkpoint.manager import (
     EVERY_EPOCHS,
     EVERY_MINUTES,
@@ -27,10 +26,9 @@ from trainer.checkpoint.manager import (
 )
 from trainer.config import CkptConfig, TrainConfig
 from trainer.diagnostics import straggler_line
-from trainer.errors import ConfigError, Preempted, TrainerError, first_line, io_error
+from trainer.errors import Preempted
 from trainer.evaluate import evaluate
 from trainer.signals import StopVote
-from trainer.strategy import local_part
 
 if TYPE_CHECKING:
     from trainer.run import Run
@@ -107,14 +105,14 @@ def train_loop(run: Run) -> None:
         plan = run.epoch_plan(state.epoch)
         _train_epoch(run, plan, losses, clock, vote)
         epoch_loss = losses.epoch_mean()
-        check_loss(run, epoch_loss)
+        guards.check_loss(run, epoch_loss)
         run.results.record_train(epoch_loss, state.epoch)
         if state.step_in_epoch >= len(plan):  # the epoch ran to its end
             _end_epoch(run, clock)
     vote.finish()  # the last vote in flight; the run is complete whatever it says
     if run.results.eval_step != state.step:
         _evaluate(run, clock)
-    check_log_at_end(run, clock)
+    guards.check_log_at_end(run, _save_now(run, clock))
     run.ckpt.wait()  # a background save of the last step may make the final one moot
     if not run.ckpt.on_disk(state.step):
         _save(run, clock, FINAL, must_succeed=True)
@@ -185,7 +183,7 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool
     window = losses.window(  # one all-reduce, its slots named (Window)
         rank=run.world.rank,
         vote_every=StopVote.cadence(clock.since_lap() / steps),
-        metrics_errno=_write_error_code(run),
+        metrics_errno=guards.write_error_code(run),
         save_due=main and run.ckpt.due_by_time(),
         forward_s=run.step.forward_s.take(),
         data_wait_s=clock.waited_in_lap(),
@@ -193,8 +191,8 @@ def _log_train(run: Run, losses: LossSums, clock: TrainClock) -> tuple[int, bool
     elapsed, waited = clock.lap()  # after the all-reduce: the window includes waiting for it
     run.watchdog.observe(elapsed / steps)
     if window.metrics_errno:
-        _stop_for_metrics(run, clock, window.metrics_errno)
-    check_loss(run, window.loss)
+        guards.stop_for_metrics(run, window.metrics_errno, _save_now(run, clock))
+    guards.check_loss(run, window.loss)
     run.results.record_train(window.loss)
     record = {"kind": "train", "step": run.state.step, "epoch": epoch_of(run.state)}
     record["loss"] = window.loss
@@ -267,53 +265,19 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
         )
 
 
-def _write_error_code(run: Run) -> int:
-    """Rank 0's first metrics.jsonl write error as a number that can ride an all-reduce: its
-    errno, -1 for an OSError without one, 0 for none (the other ranks write no metrics)."""
-    error = run.log.write_error if run.world.is_main else None
-    return 0 if error is None else (error.errno or -1)
-
-
-def check_log_at_end(run: Run, clock: TrainClock) -> None:
-    """The records written since the last train window (the last evaluation's): one collective
-    at the end of the run, where no window's all-reduce follows."""
-    code = torch.tensor(float(_write_error_code(run)), device=run.world.device)  # NCCL: on GPU
-    failed = ranks.all_reduce_sum(code).item()
-    if failed:
-        _stop_for_metrics(run, clock, int(failed))
-
-
-def _stop_for_metrics(run: Run, clock: TrainClock, errno: int) -> None:
-    """metrics.jsonl could not be written (every rank learnt it from an all-reduce): save a
-    checkpoint of where the run is, and stop in one line: exit 4 for a full disk or an I/O error
-    (rerunning resumes), 2 for a run_dir that cannot be written at all."""
-    error = run.log.write_error if run.world.is_main else None
-    if error is None:  # the other ranks: the same errno, so the same exit code
-        error = OSError(errno, os.strerror(errno)) if errno > 0 else OSError("write failed")
-    step = run.state.step
-    run.ckpt.wait()
-    if run.ckpt.on_disk(step):
-        note = f"checkpoint at step {step} already saved"
-    else:
-        try:
-            note = f"checkpoint {_save(run, clock, METRICS_FAILED, must_succeed=True)} saved"
-        except TrainerError as e:
-            note = f"the checkpoint save failed too: {first_line(e)}"
-    raise io_error(
-        error,
-        f"metrics.jsonl in {run.run_dir} could not be written ({note})",
-        "point run_dir at writable storage",
-    )
-
-
 def _save(run: Run, clock: TrainClock, reason: Reason, *, must_succeed: bool = False) -> str | None:
-    check_weights(run)  # never a checkpoint of NaN weights over the good ones
+    guards.check_weights(run)  # never a checkpoint of NaN weights over the good ones
     with clock.paused(), run.watchdog.paused():
         _record_time(run, clock)
         if must_succeed:
             return run.ckpt.save(reason)
         run.ckpt.save_or_warn(reason)
         return None
+
+
+def _save_now(run: Run, clock: TrainClock):
+    """The save guards.py makes before it stops the run: this step's, which must land."""
+    return lambda: _save(run, clock, METRICS_FAILED, must_succeed=True)
 
 
 def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
@@ -327,35 +291,6 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
     # The step the signal landed in (its rank's next step boundary): how long the stop took.
     run.log.record({"kind": "stop", "step": step, "signal": name, "noticed": run.stop.noticed_step})
     raise Preempted(f"stopped by {name} at step {step}; checkpoint {path} saved: {run.to_resume}")
-
-
-def check_loss(run: Run, loss: float | None) -> None:
-    """Stop a diverged run: a non-finite global loss (all-reduced already: every rank agrees)."""
-    if loss is not None and not math.isfinite(loss):
-        _diverged(run, f"the mean train loss is {loss}")
-
-
-def check_weights(run: Run) -> None:
-    """Stop before saving non-finite weights: one flag summed over the ranks, only at saves, so
-    no step pays a device-to-host sync for it."""
-    flag = torch.zeros((), dtype=torch.float32, device=run.world.device)
-    for p in run.model.parameters():
-        local = local_part(p.detach())  # FSDP shards
-        if local.is_floating_point():
-            flag += (~torch.isfinite(local)).any()
-    if ranks.all_reduce_sum(flag).item():
-        _diverged(run, "the weights hold NaN/inf")
-
-
-def _diverged(run: Run, what: str) -> None:
-    """Exit 2, not 1 or 4: rerunning the same config diverges the same way; it needs a change."""
-    run.ckpt.wait()
-    lr, kept = run.cfg.optim.lr, run.ckpt.newest_on_disk()
-    raise ConfigError(
-        f"training diverged: {what} at step {run.state.step}: lower optim.lr (now {lr:g}, e.g. "
-        f"optim.lr={lr / 10:g}) or set train.clip_grad_norm=1.0; "
-        + (f"checkpoints up to step {kept} are kept" if kept else "no checkpoint was written")
-    )
 
 
 # --- bookkeeping -------------------------------------------------------------------------------

@@ -155,7 +155,7 @@ class RunLogger:
         self.write_error: OSError | None = None
         """The first OSError writing metrics.jsonl (full disk, I/O error): recorded, not raised,
         so the loop can agree on it across ranks (it rides the log window's all-reduce) and save
-        before stopping (loop._stop_for_metrics)."""
+        before stopping (guards.stop_for_metrics)."""
         self._last_draw = 0.0
         self._bar_open = False
         self._start: float | None = None  # this attempt's first tick, and the step before it
