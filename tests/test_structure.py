@@ -14,7 +14,7 @@ LAYERS = [
     "trainer checkpoint datasets errors batch sampler results signals noise startup metrics "
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
     "checkpoint.writer",
-    "exitstatus envvars registry gpt perf invariant rundir report",
+    "exitstatus envvars registry gpt perf invariant rundir report runlock orphans",
     "config.schema diagnostics.stall launch.threads launch.nodeenv",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
@@ -28,6 +28,7 @@ LAYERS = [
     "checkpoint.resume",
     "checkpoint.manager",
     "run",
+    "guards",
     "loop dryrun",
     "train",
     "script cli",

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from trainer import batch as batches
 from trainer import registry
-from trainer.errors import UsageError, first_line
+from trainer.errors import UsageError, first_line, shorten
 
 Pair = tuple[Any, Any]
 """(sum, count): a float or 0-dim tensor each."""
@@ -316,20 +316,51 @@ _DEVICE_MISMATCH = (
 )
 
 
+_DTYPE_MISMATCH = (
+    "must have the same dtype",
+    "should be the same",  # conv: "Input type (double) and bias type (float) should be the same"
+    "mixed dtype",
+    "does not match weight dtype",
+    "expected scalar type",
+    "to have one of the following scalar types",
+)
+
+
 def forward(task: Task, model: torch.nn.Module, batch) -> Any:
-    """task.forward(model, batch); a batch or tensor on another device than the model's is one
-    line naming the contract (the trainer moves every tensor of the batch to the run's device)."""
+    """task.forward(model, batch); a batch or tensor on another device than the model's, or of
+    another dtype, is one line naming the contract (the trainer moves every tensor of the batch
+    to the run's device and leaves dtypes as the data gives them)."""
     try:
         return task.forward(model, batch)
-    except RuntimeError as e:
-        if not any(m in str(e) for m in _DEVICE_MISMATCH):
-            raise
-        raise UsageError(
-            f"{type(task).__name__}.forward: tensors on different devices ({first_line(e)}): "
-            "the trainer puts the batch and the model on the run's device (dist.device); make "
-            "new tensors on the batch's device (x.new_zeros, torch.zeros(..., device=x.device)) "
-            "and do not move the batch yourself"
-        ) from None
+    except (RuntimeError, ValueError) as e:
+        text = str(e)
+        if isinstance(e, RuntimeError) and any(m in text for m in _DEVICE_MISMATCH):
+            raise UsageError(
+                f"{type(task).__name__}.forward: tensors on different devices "
+                f"({first_line(e)}): the trainer puts the batch and the model on the run's "
+                "device (dist.device); make new tensors on the batch's device (x.new_zeros, "
+                "torch.zeros(..., device=x.device)) and do not move the batch yourself"
+            ) from None
+        if any(m in text for m in _DTYPE_MISMATCH):
+            raise dtype_mismatch(task, model, batch, e) from None
+        raise
+
+
+def _dtypes(tensors) -> str:
+    return ", ".join(sorted({str(t.dtype).removeprefix("torch.") for t in tensors})) or "none"
+
+
+def dtype_mismatch(task: Task, model: torch.nn.Module, batch, e: BaseException) -> UsageError:
+    """One line for a model and a batch of different dtypes (a float64 model, float64 inputs)."""
+    params = _dtypes(model.parameters())
+    inputs = _dtypes(t for t in batches.tensors(batch) if t.is_floating_point())
+    return UsageError(
+        f"{type(task).__name__}.forward: the batch and the model have different dtypes "
+        f"(model parameters {params}, the batch's floating-point tensors {inputs}: "
+        f"{shorten(first_line(e), 160)}): keep the model in float32 (no .double() or dtype=torch.float64; "
+        "train.precision=bf16/fp16 computes in lower precision) and give float32 inputs "
+        "(convert in your data factory, e.g. x.float())"
+    )
 
 
 # --- checking what a task returns ---------------------------------------------------------------

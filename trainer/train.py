@@ -25,7 +25,9 @@ from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
 from trainer.diagnostics import flight_recorder_env
 from trainer.errors import ConfigError, first_line, io_error
+from trainer.orphans import LauncherWatch
 from trainer.run import Plugins, Run, build
+from trainer.runlock import RunLock
 from trainer.signals import StopSignal
 
 
@@ -56,36 +58,57 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
     with (
         _flight_recorder(cfg, world),
         ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group),
+        LauncherWatch().start() as launcher,  # a rank torchrun started dies with torchrun
     ):
         chosen_here = not cfg.run_dir
         if chosen_here:  # a new folder per run (or the launcher's): rank 0 decides for all
             pick = functools.partial(rundir.resolve, cfg.name, None, claim=not dry_run)
             chosen = ranks.main_decides(pick, error=ConfigError)
             cfg = dataclasses.replace(cfg, run_dir=chosen)
-        run = build(cfg, world, how, stop, started, plugins, folder_chosen=chosen_here)
-        if dry_run:
-            checked = dryrun.check(run)
-            if world.is_main and chosen_here:  # leave no empty folder of a run that never ran
-                with contextlib.suppress(OSError):
-                    os.removedirs(cfg.run_dir)  # relative: runs/<name>/<stamp>, no higher
-            return checked
-        previous = finished_summary(run)
-        if previous is not None:
-            return previous
-        record = record_start(run)
-        run.watchdog.start()
-        try:
-            loop.train_loop(run)
-        except (RuntimeError, OSError) as e:  # a lost peer, a collective's timeout: say where
-            if world.distributed and ranks.is_peer_failure(e):
-                run.watchdog.wait_if_firing()
-                run.watchdog.dump(f"a collective failed: {first_line(e)}")
-            raise
-        finally:
-            run.watchdog.close()
-            run.ckpt.close()  # a background write in flight lands, whatever ended the loop
-            run.log.close()
-        return finish(run, record)
+        with _holding(cfg.run_dir, world, launcher):  # one job per run folder
+            run = build(cfg, world, how, stop, started, plugins, folder_chosen=chosen_here)
+            result = dryrun.check(run) if dry_run else _fit(run)
+        if dry_run and world.is_main and chosen_here:  # no empty folder of a run that never ran
+            with contextlib.suppress(OSError):
+                os.removedirs(cfg.run_dir)  # relative: runs/<name>/<stamp>, no higher
+        return result
+
+
+def _fit(run: Run) -> dict:
+    """Skip a finished run; else record, train to the end and finish (summary, final weights)."""
+    previous = finished_summary(run)
+    if previous is not None:
+        return previous
+    record = record_start(run)
+    run.watchdog.start()
+    try:
+        loop.train_loop(run)
+    except (RuntimeError, OSError) as e:  # a lost peer, a collective's timeout: say where
+        if run.world.distributed and ranks.is_peer_failure(e):
+            run.watchdog.wait_if_firing()
+            run.watchdog.dump(f"a collective failed: {first_line(e)}")
+        raise
+    finally:
+        run.watchdog.close()
+        run.ckpt.close()  # a background write in flight lands, whatever ended the loop
+        run.log.close()
+    return finish(run, record)
+
+
+@contextlib.contextmanager
+def _holding(run_dir: str, world, launcher: LauncherWatch):
+    """Rank 0 holds the run folder's lock for the job (trainer/runlock.py); a live job's hold
+    is refused on every rank in one line (exit 2). Given up at the end, or when the launcher
+    dies (then this rank ends at once)."""
+    lock = RunLock(run_dir) if world.is_main else None  # rank 0 decides; main_decides on all
+    held = ranks.main_decides(lambda: lock.acquire() is not None) and lock is not None
+    launcher.on_gone = lock.release if held else None
+    try:
+        yield
+    finally:
+        launcher.on_gone = None
+        if held:
+            lock.release()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,108 @@
+"""One job per run folder (trainer/runlock.py): who may take a lock another job left.
+
+The real processes (torchrun SIGKILLed, a second job refused, the rerun) are in
+tests/test_faults.py; these are the rules, with holders written by hand."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, replace
+
+import pytest
+
+from trainer import runlock
+from trainer.errors import ConfigError
+from trainer.runlock import LOCK, Holder, RunLock
+
+
+def _leave(run_dir, holder: Holder) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / LOCK).write_text(json.dumps(asdict(holder)))
+
+
+def _holder(**changes) -> Holder:
+    return replace(Holder.here({}), **changes)
+
+
+def test_a_live_job_on_this_machine_is_refused_naming_it(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        time.sleep(0.2)
+        live = _holder(pid=sleeper.pid, process_start=runlock._started(sleeper.pid))
+        _leave(tmp_path / "run", live)
+        with pytest.raises(ConfigError) as e:
+            RunLock(tmp_path / "run", {}).acquire()
+        text = str(e.value)
+        assert f"is in use by another job: rank 0 on {live.host}, pid {sleeper.pid}, since" in text
+        assert "\n" not in text and "use another run_dir" in text
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_dead_holder_a_reused_pid_and_the_same_job_are_taken_over(tmp_path):
+    run_dir = tmp_path / "run"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cases = [
+        _holder(pid=dead.pid, process_start="1"),  # gone
+        _holder(pid=os.getppid(), process_start="1"),  # alive, but another process than its
+        _holder(pid=os.getppid(), process_start=runlock._started(os.getppid()), job="rdzv-1"),
+    ]
+    for old in cases:
+        _leave(run_dir, old)
+        lock = RunLock(run_dir, {"TORCHELASTIC_RUN_ID": "rdzv-1"}).acquire()
+        assert lock is not None
+        assert json.loads((run_dir / LOCK).read_text())["token"] == lock.me.token
+        lock.release()
+        assert not (run_dir / LOCK).exists()
+
+
+def test_a_holder_elsewhere_is_gone_once_its_heartbeat_stops(tmp_path, monkeypatch):
+    monkeypatch.setattr(runlock, "STALE_S", 0.6)
+    monkeypatch.setattr(runlock, "BEAT_S", 0.1)
+    run_dir = tmp_path / "run"
+    silent = _holder(machine="another-node", beat=time.time())
+    _leave(run_dir, silent)
+    started = time.monotonic()
+    lock = RunLock(run_dir, {}).acquire()  # watched for STALE_S, never beat: taken over
+    assert lock is not None and time.monotonic() - started >= 0.6
+    lock.release()
+    beating = _holder(machine="another-node", beat=time.time())
+    _leave(run_dir, beating)
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.1):
+            beating.beat = time.time()
+            _leave(run_dir, beating)
+
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        with pytest.raises(ConfigError, match="is in use by another job: rank 0 on"):
+            RunLock(run_dir, {}).acquire()
+    finally:
+        stop.set()
+        thread.join()
+    old = _holder(machine="another-node", beat=time.time() - 10)  # stale by this clock too
+    _leave(run_dir, old)
+    started = time.monotonic()
+    RunLock(run_dir, {}).acquire().release()
+    assert time.monotonic() - started < 0.5
+
+
+def test_the_holder_beats_and_a_failed_start_leaves_no_folder(tmp_path, monkeypatch):
+    monkeypatch.setattr(runlock, "BEAT_S", 0.05)
+    run_dir = tmp_path / "a" / "run"
+    lock = RunLock(run_dir, {}).acquire()
+    first = json.loads((run_dir / LOCK).read_text())["beat"]
+    time.sleep(0.3)
+    assert json.loads((run_dir / LOCK).read_text())["beat"] > first
+    lock.release()
+    assert not (tmp_path / "a").exists()  # the folders it made, empty again, are gone
+    (tmp_path / "file").write_text("x")
+    assert RunLock(tmp_path / "file" / "run", {}).acquire() is None  # cannot be written: no lock

@@ -1,0 +1,208 @@
+"""One job per run folder.
+
+Rank 0 holds RUN_DIR/.job.lock while a job runs: a small JSON record of who holds it (host, pid,
+since when, the job's torchrun run id) with a heartbeat it rewrites every BEAT_S, by an atomic
+rename (so it works on the shared volumes runs live on: a PVC, NFS). A second job that would
+write into the folder is refused in one line naming the holder, exit 2. A lock a job left behind
+never blocks the next one; the holder is gone when:
+
+- it is the same job: a torchrun restart (--max-restarts) has the same TORCHELASTIC_RUN_ID;
+- it ran on this machine (same boot, same pid namespace) and its pid is dead, or is another
+  process now (its start time differs);
+- it ran elsewhere (another node or container) and its heartbeat stops: the newcomer watches it
+  for up to STALE_S (or takes over at once when it is older than that by this machine's clock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+
+from trainer.errors import ConfigError
+
+LOCK = ".job.lock"
+BEAT_S = 5.0
+"""How often the holder rewrites its heartbeat."""
+STALE_S = 30.0
+"""A holder elsewhere whose heartbeat has not moved for this long is gone."""
+
+
+def _machine() -> str:
+    """This boot of this machine and this pid namespace: where a pid means the same process."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc: the host name is the best there is
+        return socket.gethostname()
+    return f"{boot}:{namespace}"
+
+
+def _started(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc), None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+@dataclass
+class Holder:
+    host: str
+    pid: int
+    machine: str
+    process_start: str | None
+    since: float
+    beat: float
+    job: str | None
+    """TORCHELASTIC_RUN_ID: the same across torchrun's restarts of one job."""
+    token: str
+
+    @classmethod
+    def here(cls, environ: Mapping[str, str]) -> Holder:
+        now = time.time()
+        return cls(
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            machine=_machine(),
+            process_start=_started(os.getpid()),
+            since=now,
+            beat=now,
+            job=environ.get("TORCHELASTIC_RUN_ID") or None,
+            token=uuid.uuid4().hex,
+        )
+
+    def same_job(self, other: Holder) -> bool:
+        return self.job is not None and self.job == other.job
+
+    def dead_here(self) -> bool:
+        """On this machine: its process is gone (or its pid is another process's now)."""
+        started = _started(self.pid)
+        return started is None or started != self.process_start
+
+    def line(self, run_dir: str) -> str:
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return (
+            f"run_dir {run_dir} is in use by another job: rank 0 on {self.host}, pid {self.pid}, "
+            f"since {since} (heartbeat {max(0.0, time.time() - self.beat):.0f} s ago): wait for "
+            f"it to end or stop it, or use another run_dir (a job that died leaves its lock to "
+            "the next one)"
+        )
+
+
+def _read(path: str) -> Holder | None:
+    """The holder recorded at `path`; None if there is none (or the file is not a record)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return Holder(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _write(path: str, holder: Holder) -> None:
+    tmp = f"{path}.{holder.token}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(asdict(holder), f)
+    os.replace(tmp, path)
+
+
+class RunLock:
+    """Rank 0's hold on a run folder: `acquire`, then `release` at the end."""
+
+    def __init__(self, run_dir: str, environ: Mapping[str, str] = os.environ):
+        self.run_dir = os.path.abspath(run_dir)
+        self.path = os.path.join(self.run_dir, LOCK)
+        self.me = Holder.here(environ)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._created: list[str] = []
+        """The folders acquire made (deepest first): removed again if the job leaves them empty."""
+
+    def acquire(self) -> RunLock | None:
+        """Hold the folder, or raise ConfigError naming the live job that holds it. None (and no
+        lock) where the folder cannot be written: nothing can be corrupted there, and the
+        checks that follow say what is wrong with it."""
+        try:
+            self._created = _missing_folders(self.run_dir)
+            os.makedirs(self.run_dir, exist_ok=True)
+            return self._take()
+        except OSError:
+            self._remove_created()
+            return None
+
+    def _take(self) -> RunLock:
+        watching: tuple[float, float] | None = None  # (a foreign holder's beat, seen since)
+        while True:
+            holder = _read(self.path)
+            if holder is None or self._gone(holder):
+                _write(self.path, self.me)
+                time.sleep(0.05)  # two newcomers at once: the last rename wins, the other sees it
+                current = _read(self.path)
+                if current is not None and current.token == self.me.token:
+                    return self._beating()
+                continue
+            if holder.machine == self.me.machine:  # alive here
+                raise ConfigError(holder.line(self.run_dir))
+            now = time.monotonic()
+            if watching is None or watching[0] != holder.beat:
+                if watching is not None:  # its heartbeat moved: alive
+                    raise ConfigError(holder.line(self.run_dir))
+                watching = (holder.beat, now)
+            elif now - watching[1] >= STALE_S:  # silent for STALE_S: gone
+                _write(self.path, self.me)
+                return self._beating()
+            time.sleep(min(1.0, BEAT_S / 5))
+
+    def _gone(self, holder: Holder) -> bool:
+        if holder.same_job(self.me):
+            return True
+        if holder.machine == self.me.machine:
+            return holder.dead_here()
+        return time.time() - holder.beat > STALE_S
+
+    def _beating(self) -> RunLock:
+        self._thread = threading.Thread(target=self._beat, name="trainer-runlock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(BEAT_S):
+            holder = _read(self.path)
+            if holder is not None and holder.token != self.me.token:
+                return  # taken over (this job was given up for dead): nothing more to say
+            self.me.beat = time.time()
+            with contextlib.suppress(OSError):  # a full disk costs a beat, not the run
+                _write(self.path, self.me)
+
+    def release(self) -> None:
+        """Stop beating and remove the lock if it is still this job's."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        holder = _read(self.path)
+        if holder is not None and holder.token == self.me.token:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        for folder in self._created:  # a run that failed before writing anything leaves none
+            with contextlib.suppress(OSError):
+                os.rmdir(folder)
+
+
+def _missing_folders(path: str) -> list[str]:
+    """The folders makedirs(path) would create, deepest first."""
+    missing = []
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
