@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from tests.helpers import ROOT, env
-from trainer import config
+from trainer import cli, config
+from trainer.config.load import MAX_ERROR_LINE
 from trainer.errors import UsageError
 
 
@@ -82,6 +83,139 @@ def test_bad_config_sources(tmp_path):
     typo.write_text("optim:\n  lrr: 1\n")
     with pytest.raises(UsageError, match=f"{typo}: unknown key 'optim.lrr'"):
         config.load(str(typo))
+
+
+YAML_MISTAKES = [
+    # (the file, line:column, the parser's problem, the fix)
+    (
+        "optim:\n  lr: 0.1\n  momentum: 0.9\n  lr: 0.2\n",
+        "4:3",
+        "found duplicate key 'lr'",
+        "remove one of the two 'lr:' lines (2 and 4)",
+    ),
+    ("lr: 1\nlr: 2\n", "2:1", "found duplicate key 'lr'", "remove one of the two 'lr:' lines"),
+    ("optim: {lr: 1, lr: 2}\n", "1:16", "found duplicate key 'lr'", "entries (at 1:9 and 1:16)"),
+    ("optim: {lr: 0.1\n", "2:1", "did not find expected ',' or '}'", "close the '{' at 1:8"),
+    ("optim: [unclosed\n", "2:1", "did not find expected ',' or ']'", "close the '[' at 1:8"),
+    (
+        "optim: {lr: 0.1 momentum: 0.9}\n",
+        "1:25",
+        "did not find expected ',' or '}'",
+        "put a ',' between the items of the '{' at 1:8",
+    ),
+    ("model:\n  hidden: [8,,4]\n", "2:14", "expected node content", "remove that ','"),
+    ("optim:\n\tlr: 1\n", "2:1", "cannot start any token (a tab)", "indent with spaces"),
+    ("optim:\n    lr: 1\n  momentum: 0.9\n", "3:3", "did not find expected key", "indent the"),
+    (
+        "optim:\n  lr 0.1\n  momentum: 0.9\n",
+        "3:11",
+        "mapping values are not allowed",
+        "line 2 ('lr 0.1') has no ':'",
+    ),
+    ("name: a: b\n", "1:8", "mapping values are not allowed", "quote a value that holds ': '"),
+    ('name: "abc\nseed: 1\n', "3:1", "unexpected end of stream", "close the quote opened at 1:7"),
+    ("optim: {lr: 1}}\n", "1:15", "did not find expected key", "remove that '}'"),
+    ("name: a\n---\nseed: 1\n", "2:1", "another document", "remove that '---'"),
+    ("name: @x\n", "1:7", "cannot start any token ('@')", "quote the value"),
+    ("name: a\x07b\n", "1:8", "unacceptable character #x0007", "delete that character"),
+]
+
+
+@pytest.mark.parametrize("text, where, problem, fix", YAML_MISTAKES)
+def test_a_yaml_mistake_names_its_line_and_column_the_problem_and_the_fix(
+    tmp_path, text, where, problem, fix
+):
+    f = tmp_path / "my.yaml"
+    f.write_text(text)
+    with pytest.raises(UsageError) as e:
+        config.load(str(f))
+    msg = str(e.value)
+    assert msg.startswith(f"{f}:{where}: not valid YAML: "), msg
+    assert problem in msg and fix in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        (
+            "optim.betas=[0.9, 0.99",  # the shell split `optim.betas=[0.9, 0.99 ]`
+            "cannot parse '[0.9, 0.99' at the end: did not find expected ',' or ']': close the "
+            "'[' at character 1 with ']'; the shell splits an override at a space unless it is "
+            "quoted",
+        ),
+        ("model.hidden=[1,,2]", "at character 4: did not find expected node content: remove"),
+        ("name={a: 1, a: 2}", "found duplicate key 'a': remove one of the two 'a:' entries"),
+        ("name=@x", "at character 1: found character that cannot start any token ('@'): quote"),
+        ("name='abc", "at the end: found unexpected end of stream: close the quote opened at"),
+    ],
+)
+def test_a_yaml_mistake_in_an_override_names_where_in_the_value_and_the_fix(override, says):
+    with pytest.raises(UsageError) as e:
+        config.load(None, [override])
+    key = override.partition("=")[0]
+    assert str(e.value).startswith(f"command line: {key}: ") and says in str(e.value), e.value
+
+
+X = "x" * 100_000
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [f"{'a' * 100_000}=1"],  # a key: was echoed whole (100,152 characters)
+        [f"optim.{'a' * 100_000}=1"],
+        [f"optim.lr.x{'a' * 100_000}=1"],
+        [f"a b{'a' * 100_000}=1"],
+        ["a" * 100_000],
+        [f"seed={X}"],  # values
+        [f"optim.lr={X}"],
+        [f"optim.name={X}"],
+        [f"data.name={X}"],
+        [f"dist.strategy={X}"],
+        [f"train.compile={X}"],
+        [f"model.hidden=[{X}]"],
+        [f"name={{{X}: 1}}"],
+        [f"optim.lr=[{X}"],
+        ["optim.lr=\udcff" + X],
+        ["optim.betas=[" + ",".join(["0.9"] * 9000) + "]"],
+    ],
+)
+def test_an_error_line_shortens_what_the_user_typed(overrides):
+    with pytest.raises(UsageError) as e:
+        config.load(None, overrides)
+    msg = str(e.value)
+    assert len(msg) <= MAX_ERROR_LINE and "\n" not in msg, msg[:1000]
+    assert "characters" in msg or "bytes" in msg, msg  # says how long it was
+
+
+def test_a_long_key_in_a_yaml_file_or_config_explain_is_shortened(tmp_path):
+    f = tmp_path / "dup.yaml"
+    f.write_text(f"{'k' * 1000}: 1\n{'k' * 1000}: 2\n")
+    with pytest.raises(UsageError) as e:
+        config.load(str(f))
+    assert len(str(e.value)) <= MAX_ERROR_LINE and f"{f}:2:1:" in str(e.value)
+    assert "(1,000 characters)" in str(e.value)
+    from trainer.config.explain import explain
+
+    with pytest.raises(UsageError) as e:
+        explain(config.load(), ["a" * 100_000])
+    assert len(str(e.value)) <= 200 and "(100,000 characters)" in str(e.value)
+
+
+def test_a_list_past_omegaconfs_limit_says_the_limit_and_what_to_do():
+    items = ",".join(["1"] * 20_000)
+    with pytest.raises(UsageError) as e:
+        config.load(None, [f"model.hidden=[{items}]"])
+    assert str(e.value) == (
+        "command line: model.hidden: a list of 20,000 items, past the 10,000 values one override "
+        "may hold (OmegaConf's guard against YAML alias bombs): model.hidden takes a few (e.g. "
+        "model.hidden=[256,128]): give the ones it needs"
+    )
+    with pytest.raises(UsageError) as e:
+        config.load(None, [f"data.kwargs.weights=[{items}]"])
+    assert "past the 10,000 values" in str(e.value) and "in a file and pass its path" in str(
+        e.value
+    )
 
 
 def _cli(*args):
@@ -266,3 +400,18 @@ def test_a_closed_pipe_ends_the_command_quietly():
     )
     p = _python(code)
     assert (p.returncode, p.stderr) == (141, "")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["config", "check", "-" + "a" * 100_000],  # unrecognized arguments: echoed by argparse
+        ["config", "check", "--world-size=" + "x" * 100_000],  # invalid int value: 'xxx...'
+    ],
+)
+def test_argparse_errors_shorten_a_huge_argument(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err[:300]
+    assert len(err) < 300 and "(100,0" in err and "characters)" in err, err[:300]

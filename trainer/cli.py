@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
-from trainer.errors import ExitCode, TrainerError, UsageError
+from trainer.errors import ExitCode, TrainerError, UsageError, shorten
 from trainer.exitstatus import record_exit, report
 
 EXIT_CODES = """exit codes:
@@ -27,6 +28,8 @@ COMMANDS = ("train", "eval", "export", "doctor", "config", "report", "data", "di
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
+        # argparse echoes arguments whole: a 100,000-character one must not be the whole line.
+        message = re.sub(r"[^\s']{100,}", lambda m: shorten(m.group(0)), message)
         self.exit(ExitCode.USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

@@ -70,9 +70,11 @@ def choose_resume(resume: str, root: str, warn, skip=()) -> str | None:
         found = store.latest_valid(root, warn, skip)
         if found is None and store.list_checkpoints(root):
             # Starting fresh would overwrite them and the run's metrics: let the user decide.
+            count = len(store.list_checkpoints(root))
             raise UsageError(
-                f"ckpt.resume=auto: no checkpoint in {root} verifies (all are damaged): move them "
-                "away, resume from a good copy with ckpt.resume=PATH, or use a new run_dir"
+                f"ckpt.resume=auto: no checkpoint in {root} verifies ({count} found, all damaged; "
+                f"{_manifest_hint(root)}): resume from a good copy with ckpt.resume=PATH, or "
+                "start fresh: move them away, or use a new run_dir"
             )
         return found
     path = resume
@@ -81,13 +83,39 @@ def choose_resume(resume: str, root: str, warn, skip=()) -> str | None:
     if not store.is_step_dir(path):  # a run dir or a checkpoints folder
         candidate = store.latest_in(path, warn, skip)
         if candidate is None:
-            raise UsageError(f"ckpt.resume={path}: holds no checkpoint that verifies")
+            raise _nothing_to_resume(path)
         return candidate
     try:
         store.verify(path)
     except store.CorruptCheckpoint as e:
         raise UsageError(f"ckpt.resume={path}: corrupt checkpoint ({e}); pick another") from None
     return path
+
+
+def _manifest_hint(folder: str) -> str:
+    """How to find a damaged checkpoint's bad files: its manifest lists every file's sha256."""
+    newest = os.path.basename(store.list_checkpoints(folder)[0][1])
+    return f"`sha256sum -c {store.MANIFEST}` in a step folder, e.g. {newest}, names its bad files"
+
+
+def _nothing_to_resume(path: str) -> UsageError:
+    """ckpt.resume=PATH names a run directory or checkpoints folder with no checkpoint that
+    verifies: where it looked, and the ways on."""
+    fresh = "or start fresh with ckpt.resume=never or a new run_dir"
+    inner = os.path.join(path, "checkpoints")
+    folder = next((f for f in (path, inner) if store.list_checkpoints(f)), None)
+    if folder is None:
+        return UsageError(
+            f"ckpt.resume={path}: no checkpoint (step-NNNNNNNNN folder) in it or in {inner}: "
+            "point ckpt.resume at a run directory, its checkpoints folder or one step folder, "
+            + fresh
+        )
+    count = len(store.list_checkpoints(folder))
+    return UsageError(
+        f"ckpt.resume={path}: holds no checkpoint that verifies ({count} in {folder}, all "
+        f"damaged; {_manifest_hint(folder)}): point ckpt.resume at another run or checkpoint, "
+        + fresh
+    )
 
 
 def saved_config(config_yaml: str) -> dict:

@@ -13,7 +13,7 @@ import typing
 
 from trainer.config import schema
 from trainer.config.ranges import RANGES
-from trainer.errors import UsageError, did_you_mean
+from trainer.errors import UsageError, did_you_mean, shorten
 
 
 @functools.cache
@@ -84,7 +84,7 @@ def explain(cfg: schema.Config, keys: list[str]) -> str:
         f = by_key.get(key)
         if f is None:
             raise UsageError(
-                f"config explain: unknown key '{key}'{did_you_mean(key, list(by_key))}; "
+                f"config explain: unknown key '{shorten(key)}'{did_you_mean(key, list(by_key))}; "
                 "`trainer config explain` lists the sections"
             )
         if f.section:

@@ -21,6 +21,29 @@ def presets() -> list[str]:
     )
 
 
+MAX_ERROR_LINE = 400
+"""The longest error line a load raises: what the user typed or wrote is shortened in it
+(errors.shorten), as a 100,000-character key or value was echoed whole."""
+
+_LONG_QUOTED = re.compile(r"'([^'\n]{61,})'")
+_LONG_WORD = re.compile(r"\S{61,}")
+
+
+def _clip(message: str, limit: int = MAX_ERROR_LINE) -> str:
+    """`message`, its long quoted values and words shortened when it is over `limit` characters
+    (and then cut in the middle if it still is: the key comes first and the fix last)."""
+    if len(message) <= limit:
+        return message
+    message = _LONG_QUOTED.sub(lambda m: f"'{shorten(m.group(1))}'", message)
+    message = _LONG_WORD.sub(lambda m: shorten(m.group(0)), message)
+    if len(message) > limit:
+        half = limit // 2 - 20
+        message = (
+            f"{message[:half]} ...({len(message) - 2 * half:,} characters)... {message[-half:]}"
+        )
+    return message
+
+
 MAX_CONFIG_BYTES = 1 << 20
 """A config file larger than this is refused before it is parsed: the presets are under 1 KB, and
 a 15 MB file of keys took 95 s and 1.5 GB to refuse after parsing."""
@@ -95,7 +118,186 @@ def _parse_limit(e: BaseException, source: str, source_text: str = "") -> UsageE
             f"{source}: holds an integer of more than 4,300 digits, which no config key takes: "
             "fix that value"
         )
-    return UsageError(f"{source}: not valid YAML ({first_line(e)})")
+    located = _yaml_error(e, source_text, source)
+    if located:
+        where, what = located
+        return UsageError(f"{where}: not valid YAML: {what}")
+    return UsageError(f"{source}: not valid YAML ({_clip(first_line(e))})")
+
+
+def _yaml_error(e: BaseException, text: str, source: str = "") -> tuple[str, str] | None:
+    """(where, '<the parser's problem>: <the fix>') for a YAML syntax error (PyYAML's
+    MarkedYAMLError, or its reader's refusal of a character), else None. Positions are 1-based:
+    'my.yaml:3:5' in a file (`source`), 'character 5' in a command-line value (no `source`)."""
+    import yaml
+
+    def at(line: int, column: int) -> str:
+        if source:
+            return f"{line + 1}:{column + 1}"
+        if "\n" not in text and (line or column >= len(text)):  # PyYAML's mark for the end
+            return "the end"
+        return f"character {column + 1}" + (f" of line {line + 1}" if line else "")
+
+    where = (lambda line, column: f"{source}:{at(line, column)}") if source else at
+    if isinstance(e, yaml.reader.ReaderError) and isinstance(e.position, int):
+        index = _reader_index(e, text)
+        line = text.count("\n", 0, index)
+        column = index - text.rfind("\n", 0, index) - 1
+        return where(line, column), f"{first_line(e)}: delete that character"
+    if not isinstance(e, yaml.MarkedYAMLError) or e.problem_mark is None:
+        return None
+    mark = e.problem_mark
+    problem, fix = _yaml_fix(e, text, at)
+    return where(mark.line, mark.column), f"{problem}: {fix}"
+
+
+def _reader_index(e, text: str) -> int:
+    """The index in `text` of the character a YAML reader refused: libyaml (OmegaConf's loader)
+    gives the offset of its byte in UTF-8, PyYAML's own reader that of the character."""
+    refused = e.character
+    if isinstance(refused, str) and len(refused) == 1:
+        refused = ord(refused)
+    if e.position < len(text) and ord(text[e.position]) == refused:
+        return e.position
+    return len(text.encode("utf-8")[: e.position].decode("utf-8", "ignore"))
+
+
+def _char(text: str, mark) -> str:
+    """The character at a YAML mark ('' past the end of its line or the text)."""
+    lines = text.split("\n")
+    line = lines[mark.line].rstrip("\r") if mark.line < len(lines) else ""
+    return line[mark.column] if mark.column < len(line) else ""
+
+
+def _yaml_fix(e, text: str, at) -> tuple[str, str]:
+    """(the parser's problem, the fix) for a YAML syntax error, the fix where it is
+    recognisable (a duplicate key, an unclosed bracket or quote, a tab, an indent)."""
+    problem, context = e.problem or "", e.context or ""
+    mark, opened = e.problem_mark, e.context_mark
+    here = _char(text, mark)
+    start = at(opened.line, opened.column) if opened is not None else ""
+    if problem.startswith("found duplicate key "):
+        key = problem.removeprefix("found duplicate key ")
+        return f"found duplicate key '{shorten(key)}'", _duplicate_fix(e, key, text, at)
+    if problem.startswith("did not find expected ',' or ") and start:
+        bracket, close = ("{", "}") if "mapping" in context else ("[", "]")
+        if here in ("]", "}"):
+            return problem, f"close the '{bracket}' at {start} with '{close}' before that '{here}'"
+        if mark.line == opened.line and here:
+            return problem, f"put a ',' between the items of the '{bracket}' at {start}"
+        return problem, f"close the '{bracket}' at {start} with '{close}'"
+    if "cannot start any token" in problem:
+        if here == "\t":
+            return f"{problem} (a tab)", "indent with spaces: YAML takes no tabs there"
+        return f"{problem} ({here!r})", f"quote the value (YAML keeps {here!r} for itself)"
+    if problem.startswith("mapping values are not allowed") and (bare := _bare_line(text, mark)):
+        return problem, f"line {bare[0]} ('{shorten(bare[1])}') has no ':': write key: value"
+    if problem.startswith("mapping values are not allowed"):
+        return problem, (
+            "quote a value that holds ': ' (e.g. \"a: b\"), and start each key on a line of "
+            "its own, indented like the keys beside it"
+        )
+    if problem == "did not find expected node content" and here == ",":
+        return problem, "remove that ',': an item is missing before it"
+    if problem == "did not find expected node content" and (bracket := _unclosed(text)):
+        close = "]" if bracket[0] == "[" else "}"
+        return problem, f"close the '{bracket[0]}' at {at(*bracket[1:])} with '{close}'"
+    if problem == "did not find expected key" and here in ("}", "]"):
+        return problem, f"remove that '{here}': it closes nothing"
+    if problem == "did not find expected key" and here == "-":
+        return problem, "a list item among keys: give it a key, or indent it under its key"
+    if problem == "did not find expected key" or problem.startswith("expected <block end>"):
+        return problem, (
+            "indent the key there by as many spaces as the keys beside it (the keys of one "
+            "section line up)"
+        )
+    if problem == "could not find expected ':'" and start:
+        return problem, f"give the key at {start} a ':' and a value (key: value)"
+    if problem == "found unexpected end of stream" and "quoted scalar" in context and start:
+        return problem, f"close the quote opened at {start}"
+    return problem, _yaml_fix_more(problem, context, start)
+
+
+def _yaml_fix_more(problem: str, context: str, start: str) -> str:
+    """The fix for the rarer YAML problems (the parser's text alone for the rest)."""
+    if problem == "but found another document":
+        return "remove that '---': a config is one YAML document"
+    if problem == "found undefined alias":
+        return "define the anchor (&name) before its alias (*name), or quote a value starting '*'"
+    if problem == "second occurrence":
+        return f"rename one of the two anchors (the first is at {start})"
+    if "for merging" in problem:
+        return "a '<<:' key merges a mapping: give it one (<<: *name)"
+    if problem == "found unhashable key":
+        return "write that key as a plain name: a list or mapping cannot be a key"
+    if "constructor for the tag" in problem:
+        return "remove the tag (!...): a config holds plain values"
+    if "unknown escape character" in problem:
+        return "double the backslash (\\\\), or use single quotes"
+    if "expected '-' indicator" in problem:
+        return "start every item of the list with '- ', at the same indent (no 'key:' lines)"
+    if "directive" in problem or "directive" in context:
+        return "quote a value that starts with '%'"
+    return "fix the YAML there"
+
+
+def _unclosed(text: str) -> tuple[str, int, int] | None:
+    """The innermost '[' or '{' that `text` leaves open, and its 0-based line and column
+    (quoted text and comments skipped, roughly: the hint's, not the parser's)."""
+    stack: list[tuple[str, int, int]] = []
+    quote = ""
+    for number, line in enumerate(text.split("\n")):
+        for column, char in enumerate(line):
+            before = line[column - 1] if column else " "
+            if quote:
+                quote = "" if char == quote else quote
+            elif char in "'\"" and before in " \t[{,:":
+                quote = char
+            elif char == "#" and before in " \t":
+                break
+            elif char in "[{":
+                stack.append((char, number, column))
+            elif char in "]}" and stack:
+                stack.pop()
+    return stack[-1] if stack else None
+
+
+def _bare_line(text: str, mark) -> tuple[int, str] | None:
+    """(1-based number, text) of the line above `mark`'s when it is a key without a ':' (the
+    parser stumbles on the next line's ':'), else None."""
+    lines = text.split("\n")[: mark.line]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines or ":" in lines[-1] or lines[-1].lstrip().startswith(("-", "#")):
+        return None
+    return len(lines), lines[-1].strip()
+
+
+def _duplicate_fix(e, key: str, text: str, at) -> str:
+    """'remove one of the two 'lr:' lines (2 and 5)' for a mapping that has a key twice."""
+    import yaml
+
+    shown, mapping = shorten(key), e.context_mark
+    lines = []
+    with contextlib.suppress(Exception):  # the positions are a nicety: the fix stands without
+        stack = [yaml.compose(text, Loader=yaml.SafeLoader)]
+        while stack and not lines:
+            node = stack.pop()
+            if isinstance(node, yaml.MappingNode) and (
+                node.start_mark.line,
+                node.start_mark.column,
+            ) == (mapping.line, mapping.column):
+                lines = [k.start_mark for k, _ in node.value if k.value == key]
+            elif isinstance(node, (yaml.MappingNode, yaml.SequenceNode)):
+                for child in node.value:  # (key, value) pairs, or a list's items
+                    stack.extend(child if isinstance(child, tuple) else [child])
+    if len({m.line for m in lines}) >= 2:
+        where = " and ".join(str(m.line + 1) for m in lines[:2])
+        return f"remove one of the two '{shown}:' lines ({where})"
+    if len(lines) >= 2:
+        where = " and ".join(at(m.line, m.column) for m in lines[:2])
+        return f"remove one of the two '{shown}:' entries (at {where})"
+    return f"remove one of the two '{shown}:' entries"
 
 
 def _yaml_kind(text: str) -> str:
@@ -230,7 +432,7 @@ def _cli_layer(overrides: list[str]):
 
     for item in overrides:
         key, eq, value = item.partition("=")
-        shown = _printable(item)
+        shown, key_shown = shorten(_printable(item)), shorten(_printable(key))
         if not eq or not key or key.startswith("-"):
             raise UsageError(f"override '{shown}' must look like key=value (e.g. optim.lr=0.01)")
         if _printable(key) != key:
@@ -240,21 +442,22 @@ def _cli_layer(overrides: list[str]):
             )
         if not _KEY.match(key):
             raise UsageError(
-                f"override '{shown}': '{key}' is not a dotted key like optim.lr{_suggest(key)}"
+                f"override '{shown}': '{key_shown}' is not a dotted key like optim.lr"
+                f"{_suggest(key)}"
             )
         if key in _bool_keys() and value.strip().lower() not in _BOOLS:
             raise UsageError(
-                f"command line: {key}: '{_printable(value)}' is not true or false "
+                f"command line: {key_shown}: '{shorten(_printable(value))}' is not true or false "
                 f"(e.g. {example(key)})"
             )
         if key in _PLUGIN_KEYS and value.rstrip().endswith(":"):  # YAML reads `a.b:` as a mapping
             raise UsageError(
-                f"command line: {key}: '{_printable(value)}' names no object after the colon: "
-                f"write package.module:factory (e.g. {key}=mypkg.module:build)"
+                f"command line: {key}: '{shorten(_printable(value))}' names no object after the "
+                f"colon: write package.module:factory (e.g. {key}=mypkg.module:build)"
             )
         if _printable(value) != value:
             raise UsageError(
-                f"override '{shown}': the value of {key} is not valid UTF-8: retype it "
+                f"override '{shown}': the value of {key_shown} is not valid UTF-8: retype it "
                 f"(e.g. {example(key) if key in _leaf_keys() else key + '=...'}), or write it "
                 "in a UTF-8 --config file"
             )
@@ -263,17 +466,67 @@ def _cli_layer(overrides: list[str]):
         try:
             items.append(OmegaConf.from_dotlist([item]))
         except Exception as e:
-            key, _, value = item.partition("=")
-            if _past_digit_limit(e):
-                raise UsageError(
-                    f"command line: {key}: an integer of more than 4,300 digits, which no config "
-                    "key takes: fix that value"
-                ) from None
-            raise UsageError(
-                f"command line: {key}: cannot parse '{shorten(value)}' "
-                f"({first_line(e)}); quote lists like {key}=[1,2] and strings with spaces"
-            ) from None
+            raise _override_error(e, item) from None
     return [(f"command line: {item}", layer) for item, layer in zip(overrides, items, strict=True)]
+
+
+def _override_error(e: BaseException, item: str) -> UsageError:
+    """One line for an override whose value does not parse (OmegaConf reads it as YAML): where
+    in the value, the parser's problem and the fix, or the limit it is past."""
+    key, _, value = item.partition("=")
+    head = f"command line: {shorten(key)}"
+    if _past_digit_limit(e):
+        return UsageError(
+            f"{head}: an integer of more than 4,300 digits, which no config key takes: fix that "
+            "value"
+        )
+    if "expansion exceeds" in str(e) or "aliases expand the document" in str(e):
+        return _override_limit(str(e), key, value)
+    if "recursive aliases" in str(e):
+        return UsageError(
+            f"{head}: a YAML alias (*name) refers to the list or mapping it is in, which never "
+            "ends: write the values out"
+        )
+    located = _yaml_error(e, value)
+    if located is None:
+        return UsageError(
+            f"{head}: cannot parse '{shorten(value)}' ({_clip(first_line(e), 200)}); quote "
+            f"lists like {shorten(key)}=[1,2] and strings with spaces"
+        )
+    where, what = located
+    split = where == "the end" and ("end of stream" in what or "expected" in what)
+    return UsageError(
+        f"{head}: cannot parse '{_escaped(shorten(value))}' at {where}: {what}"
+        + ("; the shell splits an override at a space unless it is quoted" if split else "")
+    )
+
+
+def _escaped(text: str) -> str:
+    """`text` with control characters (a terminal's bell, escapes) shown as \\xNN."""
+    return "".join(c if c.isprintable() or c == " " else f"\\x{ord(c):02x}" for c in text)
+
+
+def _override_limit(message: str, key: str, value: str) -> UsageError:
+    """An override past OmegaConf's limit on the values one YAML text may hold (its guard
+    against alias bombs): the limit, and what to do."""
+    found = re.search(r"limit of (\d+)", message)
+    limit = int(found.group(1)) if found else 10_000
+    head = f"command line: {shorten(key)}"
+    if "aliases expand" in message or _ALIAS.search(value):
+        return UsageError(
+            f"{head}: its YAML aliases (*name) expand to more values than any config holds "
+            "(an alias bomb?): write the values out instead of aliasing them"
+        )
+    flat = value.strip().startswith("[") and value.count("[") == 1
+    size = f"a list of {value.count(',') + 1:,} items" if flat else "a value"
+    if key in _leaf_keys():
+        fix = f"{key} takes a few (e.g. {example(key)}): give the ones it needs"
+    else:
+        fix = "put that many values in a file and pass its path instead"
+    return UsageError(
+        f"{head}: {size}, past the {limit:,} values one override may hold (OmegaConf's guard "
+        f"against YAML alias bombs): {fix}"
+    )
 
 
 def _valid_keys(schema, full_key: str) -> list[str]:
@@ -304,7 +557,7 @@ def _merge_error(e: Exception, schema, source: str, layer=None) -> UsageError:
     key = getattr(e, "full_key", None) or (_first_key(layer) if layer is not None else None)
     source = "command line" if source.startswith("command line: ") else source
     if not key:
-        return UsageError(f"{source}: {first_line(e)}")
+        return UsageError(f"{source}: {_clip(first_line(e), 200)}")
     if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
         parent, _, leaf = key.rpartition(".")
         valid = _valid_keys(schema, key)
@@ -313,18 +566,18 @@ def _merge_error(e: Exception, schema, source: str, layer=None) -> UsageError:
             hint = hint.replace(" '", f" '{parent}.", 1)
         hint = hint or _suggest(key)
         return UsageError(
-            f"{source}: unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}"
+            f"{source}: unknown key '{shorten(key)}'{hint}; valid keys here: {', '.join(valid)}"
         )
-    message = first_line(e)
+    message = _clip(first_line(e), 200)
     if "Merge error" in message or "is not a subclass" in message:
         message = f"is a section of keys, not a value: set its keys, e.g. {_section_example(key)}"
-        return UsageError(f"{source}: {key}: {message}")
+        return UsageError(f"{source}: {shorten(key)}: {message}")
     hint = range_hint(key)
     if "valid bool" in message:
         hint = f" (set true or false, e.g. {example(key)})"
     if not hint and "None" in message:
         hint = f" (give it a value, e.g. {example(key)})" if key in _leaf_keys() else ""
-    return UsageError(f"{source}: {key}: {message}{hint}")
+    return UsageError(f"{source}: {shorten(key)}: {message}{hint}")
 
 
 def _section_example(key: str) -> str:
@@ -343,10 +596,11 @@ def load(
     CLI overrides into a validated Config."""
     try:
         return _load(config, overrides, values, source)
-    except ConfigError:
-        raise
-    except UsageError as e:
-        raise ConfigError(str(e)) from None
+    except UsageError as e:  # a ConfigError too: its line may echo what the user typed
+        message = _clip(str(e))
+        if isinstance(e, ConfigError) and message == str(e):
+            raise
+        raise ConfigError(message) from None
 
 
 def _load(config, overrides, values=None, values_source="values") -> Config:

@@ -252,7 +252,9 @@ class OptimConfig:
         check_choice("optim.name", self.name, ("sgd", "adam", "adamw"))
         check_fields(self, "optim.")
         if len(self.betas) != 2:
-            raise UsageError(f"optim.betas: needs two values like [0.9,0.999], got {self.betas}")
+            raise UsageError(
+                f"optim.betas: needs two values like [0.9,0.999], got {_number_text(self.betas)}"
+            )
 
 
 @dataclass(kw_only=True)
