@@ -67,10 +67,15 @@ else
 endif
 	@touch $@
 
-run-local: setup  ## train the default config with 2 CPU processes (torchrun, gloo); ARGS="key=value ..."
+# torchrun through trainer-launch, as the image and the clusters run it: one node of NPROC ranks
+# (the node variables pinned, whatever the shell holds), and torchrun's stderr through its filter,
+# so a stop (Ctrl-C, SIGTERM) ends with the ranks' one line instead of torchrun's ~25-line
+# SignalException traceback, and the exit code is the trainer's (3: stopped after a checkpoint).
+run-local: setup  ## train the default config with 2 CPU processes (trainer-launch: torchrun, gloo); ARGS="key=value ..."
 	@$(BIN)/trainer config check --world-size=$(NPROC) dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS) >/dev/null
-	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
-		-m trainer train dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS)
+	env -u PET_NNODES -u PET_NPROC_PER_NODE -u PET_NODE_RANK -u TRAIN_ARGS \
+		NNODES=1 NODE_RANK=0 NPROC_PER_NODE=$(NPROC) OMP_NUM_THREADS=1 \
+		$(BIN)/trainer-launch train dist.device=$(TRAIN_DEVICE) run_dir=$(RUN_DIR) $(ARGS)
 
 EXAMPLE_DATA ?= examples/ratings/data
 example: setup  ## the user project examples/ratings (own data, model, loss) on NPROC CPU processes; ARGS="key=value ..."

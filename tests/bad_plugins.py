@@ -201,6 +201,11 @@ def tiny_model(num_classes, in_shape):
     return nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(in_shape)), num_classes))
 
 
+def model_in_float64(num_classes, in_shape):
+    """A model in float64 (`.double()`): the batches the data gives are float32."""
+    return tiny_model(num_classes, in_shape).double()
+
+
 def model_returns_none(num_classes, in_shape):
     tiny_model(num_classes, in_shape)
 
@@ -499,6 +504,13 @@ class ForwardToMeta(Good):
 
     def forward(self, model, batch):
         return model(batch[0].to("meta"))
+
+
+class ForwardInFloat64(Good):
+    """Turns the inputs into float64 before the (float32) model sees them."""
+
+    def forward(self, model, batch):
+        return model(batch[0].double())
 
 
 class ForwardNewTensorOnMeta(Good):

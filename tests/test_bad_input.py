@@ -161,6 +161,10 @@ SYNTAX = [
     ("optim.lr=1=2", "optim.lr"),
     ("-lr=1", "-lr=1"),
     ("--lr=1", "--lr=1"),
+    # a value's YAML mistake: where in the value, the parser's problem, the fix
+    ("model.hidden=[1,,2]", "at character 4: did not find expected node content: remove that ','"),
+    ("optim.betas=[0.9, 0.99", "at the end: did not find expected ',' or ']': close the '['"),
+    ("name={a: 1, a: 2}", "found duplicate key 'a': remove one of the two 'a:' entries"),
 ]
 
 
@@ -194,6 +198,15 @@ LONG = [
     ("ckpt.init_weights=/" + "w" * 256, "ckpt.init_weights"),
     ("seed=" + "9" * 5000, "4,300 digits"),
     ("optim.lr=[" + "9" * 500, "optim.lr"),
+    # a key or value of 100,000 characters: shortened in the line (it was echoed whole)
+    ("a" * 100_000 + "=1", "unknown key 'aaaa"),
+    ("optim." + "a" * 100_000 + "=1", "(100,006 characters)"),
+    ("seed=" + "x" * 100_000, "(100,000 characters)"),
+    ("optim.name=" + "x" * 100_000, "(100,000 characters)"),
+    ("data.name=" + "x" * 100_000, "(100,000 characters)"),
+    ("train.compile=" + "x" * 100_000, "(100,000 characters)"),
+    # a list past OmegaConf's 10,000 values: the limit, and what to do
+    ("model.hidden=[" + ",".join(["1"] * 20_000) + "]", "past the 10,000 values one override"),
 ]
 """Values past what a path or Python's int() takes: the same rule in `config check` and `train`."""
 
@@ -240,8 +253,29 @@ def yaml_files(folder) -> dict[str, tuple[bytes | None, str]]:
         "empty.yaml": (b"", "empty.yaml"),
         "blank.yaml": (b"\n  \n", "blank.yaml"),
         "comments.yaml": (b"# nothing\n", "comments.yaml"),
-        "broken.yaml": (b"optim: [unclosed\n", "broken.yaml"),
-        "tabs.yaml": (b"optim:\n\tlr: 1\n", "tabs.yaml"),
+        "broken.yaml": (
+            b"optim: [unclosed\n",
+            "broken.yaml:2:1: not valid YAML: did not find expected ',' or ']': close the '[' at 1:8",
+        ),
+        "tabs.yaml": (b"optim:\n\tlr: 1\n", "tabs.yaml:2:1: not valid YAML: found character"),
+        # YAML mistakes: the line says where (line:column), the parser's problem, and the fix
+        "duplicate.yaml": (
+            b"optim:\n  lr: 0.1\n  lr: 0.2\n",
+            "duplicate.yaml:3:3: not valid YAML: found duplicate key 'lr': remove one of the two "
+            "'lr:' lines (2 and 3)",
+        ),
+        "unclosed-brace.yaml": (b"optim: {lr: 0.1\n", "unclosed-brace.yaml:2:1: not valid"),
+        "missing-comma.yaml": (
+            b"optim: {lr: 0.1 momentum: 0.9}\n",
+            "missing-comma.yaml:1:25: not valid YAML: did not find expected ',' or '}': put a ','",
+        ),
+        "bad-indent.yaml": (
+            b"optim:\n    lr: 1\n  momentum: 0.9\n",
+            "bad-indent.yaml:3:3: not valid YAML: did not find expected key: indent",
+        ),
+        "no-colon.yaml": (b"optim:\n  lr 0.1\n  momentum: 0.9\n", "line 2 ('lr 0.1') has no ':'"),
+        "unclosed-quote.yaml": (b'name: "abc\n', "close the quote opened at 1:7"),
+        "long-duplicate.yaml": (b"k" * 1000 + b": 1\n" + b"k" * 1000 + b": 2\n", "(1,000 chara"),
         "section.yaml": (b"optim: 5\n", "optim"),
         "section-list.yaml": (b"data: [1, 2]\n", "data"),
         "typo.yaml": (b"optim:\n  lrr: 0.1\n", "optim.lrr"),
@@ -476,6 +510,12 @@ def plugin_cases() -> list:
         _data("take_scalar", "Rows.take (train split): a batch's tensors must share"),
         _data("take_numpy_in_test_split", "Rows.take (test split) returned a tuple of ndarray"),
         # the model factory: called with the arguments it names, returns an nn.Module
+        # a model and a batch of different dtypes (the data gives float32)
+        _model(
+            "model_in_float64",
+            "the batch and the model have different dtypes (model parameters float64, the "
+            "batch's floating-point tensors float32",
+        ),
         _model("model_returns_none", "model_returns_none' returned NoneType, not a torch.nn.Mod"),
         _model("model_returns_dict", "model_returns_dict' returned dict, not a torch.nn.Module"),
         _model("model_returns_factory", "returned function, not a torch.nn.Module"),
@@ -580,6 +620,11 @@ def plugin_cases() -> list:
             "forward",
             "ForwardToMeta",
             "ForwardToMeta.forward: tensors on different devices",
+        ),
+        _task(
+            "forward",
+            "ForwardInFloat64",
+            "ForwardInFloat64.forward: the batch and the model have different dtypes",
         ),
         _task(
             "forward",
@@ -760,6 +805,12 @@ def run_subprocess(argv) -> Outcome:
     return Outcome(p.returncode, decode(p.stdout), decode(p.stderr))
 
 
+MAX_LINE = 1000
+"""The longest error line: a key or value of 100,000 characters came back whole; what the user
+typed or wrote is shortened (errors.shorten). The longest line by design, MNIST's where to put its
+files (two paths), is about 660 characters on pytest's temporary paths."""
+
+
 def problems(case: Case, o: Outcome) -> list[str]:
     found = []
     if o.code != 2:
@@ -773,6 +824,8 @@ def problems(case: Case, o: Outcome) -> list[str]:
         found.append(f"last line is not an error line: {last[:120]!r}")
     elif len(errors) != 1:
         found.append(f"{len(errors)} error lines")
+    elif len(last) > MAX_LINE:
+        found.append(f"an error line of {len(last):,} characters: {last[:200]!r}")
     elif case.names.lower() not in last.lower() and case.names not in _printable(last):
         found.append(f"does not name {case.names!r}: {last[:200]!r}")
     return found
@@ -1088,7 +1141,7 @@ TORCHRUN_SIGTERM = [
 def test_the_launchers_stderr_filter_after_a_sigterm(message):
     from tests.test_noise import NOISE
 
-    stop = "trainer: error: stopped by SIGTERM at step 9; checkpoint step-9 saved: rerun ..."
+    stop = "trainer: stopped by SIGTERM at step 9; checkpoint step-9 saved: rerun ..."
     raws = [*NOISE, b"epoch 1 step 3 loss 0.5\n", *TORCHRUN_SIGTERM]
     lines = filtered(raws, stop if message else None)
     kept = ["epoch 1 step 3 loss 0.5", "[rank1]: a worker's own line while it saves"]
@@ -1103,6 +1156,14 @@ def test_the_launchers_stderr_filter_after_a_sigterm(message):
     assert filtered(silent, stop if message else None) == (
         [stop] if message else [raw.decode().rstrip() for raw in silent]
     )
+
+
+def test_the_launchers_stderr_filter_shows_a_ranks_stop_line_once_and_last():
+    # Rank 0 prints its stop line (exit 3: not an error) while torchrun stops: it is the node's
+    # last line, once, after the workers' own output, without torchrun's traceback.
+    stop = "trainer: stopped by SIGTERM at step 9; checkpoint step-9 saved: rerun ..."
+    raws = [*TORCHRUN_SIGTERM[:3], f"{stop}\n".encode(), *TORCHRUN_SIGTERM[3:]]
+    assert filtered(raws, stop) == ["[rank1]: a worker's own line while it saves", stop]
 
 
 TORCHRUN_RENDEZVOUS = [

@@ -113,6 +113,45 @@ def test_resume_auto_skips_a_corrupt_newest_and_says_so(trained, capsys):
     assert summary["steps"] == 15
 
 
+def test_resume_with_no_checkpoint_that_verifies_names_where_it_looked_and_the_ways_on(
+    trained, tmp_path
+):
+    root = trained / "checkpoints"
+    for _, path in store.list_checkpoints(str(root)):
+        _truncate(os.path.join(path, "model.safetensors"))
+    for given in (trained, root):  # a run directory, its checkpoints folder
+        with pytest.raises(UsageError) as e:
+            choose_resume(str(given), str(root), lambda _: None)
+        assert str(e.value) == (
+            f"ckpt.resume={given}: holds no checkpoint that verifies (4 in {root}, all damaged; "
+            "`sha256sum -c MANIFEST.sha256` in a step folder, e.g. step-000000012, names its bad "
+            "files): point ckpt.resume at another run or checkpoint, or start fresh with "
+            "ckpt.resume=never or a new run_dir"
+        )
+    with pytest.raises(UsageError) as e:  # its sibling, for auto
+        choose_resume("auto", str(root), lambda _: None)
+    assert str(e.value).startswith(f"ckpt.resume=auto: no checkpoint in {root} verifies (4 found")
+    assert "`sha256sum -c MANIFEST.sha256` in a step folder, e.g. step-000000012" in str(e.value)
+    assert "ckpt.resume=PATH" in str(e.value) and "a new run_dir" in str(e.value)
+    # the hint holds: the manifest names the damaged file
+    check = subprocess.run(
+        ["sha256sum", "-c", store.MANIFEST],
+        cwd=root / "step-000000012",
+        capture_output=True,
+        text=True,
+    )
+    assert "model.safetensors: FAILED" in check.stdout and "meta.json: OK" in check.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError) as e:  # no checkpoint at all: the wrong folder
+        choose_resume(str(empty), str(root), lambda _: None)
+    assert str(e.value) == (
+        f"ckpt.resume={empty}: no checkpoint (step-NNNNNNNNN folder) in it or in "
+        f"{empty / 'checkpoints'}: point ckpt.resume at a run directory, its checkpoints folder "
+        "or one step folder, or start fresh with ckpt.resume=never or a new run_dir"
+    )
+
+
 def test_stale_temporaries_are_cleaned_and_a_half_replaced_checkpoint_restored(trained):
     root = trained / "checkpoints"
     (root / ".step-000000015.tmp-999").mkdir()
@@ -263,6 +302,34 @@ def test_export_writes_plain_safetensors_from_a_run_and_from_wrapped_weights(tra
     out = weights.export(str(wrapped))
     assert out == str(tmp_path / "dp-export" / "model.safetensors")
     assert set(load_file(out)) == set(saved)
+
+
+@pytest.mark.parametrize(
+    "umask, file_mode, dir_mode",
+    [(0o022, 0o644, 0o755), (0o077, 0o600, 0o700)],
+    ids=["umask 022", "umask 077"],
+)
+def test_what_a_run_and_an_export_write_follows_the_umask(tmp_path, umask, file_mode, dir_mode):
+    """A second user, or a pod of another uid on the shared volume, reads what a run writes
+    when the umask says so (safetensors alone made its files 0600); 077 keeps it all private."""
+    run = tmp_path / "run"
+    before = os.umask(umask)
+    try:
+        train(config.load(None, [*helpers.TINY, "train.epochs=1", f"run_dir={run}"]))
+        weights.export(str(run))
+    finally:
+        os.umask(before)
+    paths = [run, *run.rglob("*")]
+    names = {str(p.relative_to(run)) for p in paths}
+    written = {"final/model.safetensors", "export/model.safetensors", "config.yaml", "summary.json"}
+    assert written | {"metrics.jsonl", "run.json", "checkpoints"} <= names, sorted(names)
+    assert [n for n in names if n.startswith("checkpoints/step-") and n.endswith(".safetensors")]
+    wrong = {
+        str(p.relative_to(run)): oct(p.stat().st_mode & 0o777)
+        for p in paths
+        if p.stat().st_mode & 0o777 != (dir_mode if p.is_dir() else file_mode)
+    }
+    assert not wrong, f"expected {oct(file_mode)} files and {oct(dir_mode)} folders: {wrong}"
 
 
 def test_resume_refuses_a_config_change_that_breaks_exactness(trained):

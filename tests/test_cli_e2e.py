@@ -2,12 +2,15 @@
 
 import io
 import json
+import os
+import shlex
 import shutil
+import signal
 import subprocess
 
 import pytest
 
-from tests.helpers import ROOT, env
+from tests.helpers import BIN, ROOT, TINY, checkpoints, env, wait_for
 from trainer.metrics import RunLogger
 
 
@@ -58,6 +61,41 @@ def test_make_run_local_rejects_a_bad_config_before_launching(tmp_path, args, fr
     assert p.returncode != 0
     assert fragment in p.stderr and "torchrun" not in p.stderr
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def _run_local_command(run_dir, args: str) -> list[str]:
+    """The command `make run-local` trains with (its recipe's last, as `make -n` prints it), as
+    an argv to start here: what a stop does to it, not to make (which exits 2 on any failure)."""
+    p = subprocess.run(
+        ["make", "-n", "--no-print-directory", "-o", ".venv/.installed", "run-local",
+         f"RUN_DIR={run_dir}", f"ARGS={args}", f"BIN={BIN}"],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    argv = shlex.split(p.stdout.replace("\\\n", " ").strip().splitlines()[-1])
+    return ["env", *argv] if "=" in argv[0] else argv  # VAR=value ... as a shell reads it
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_stopping_make_run_local_ends_with_its_one_line_and_no_torchrun_traceback(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*TINY, "model.name=tests.helpers:slow_mlp", "model.kwargs.delay=0.2", "train.epochs=50"]
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(
+            _run_local_command(run_dir, " ".join(args)),
+            cwd=ROOT, env=env(), stdout=o, stderr=e, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: checkpoints(run_dir), 120, "the first checkpoint", proc)
+        os.killpg(proc.pid, signal.SIGTERM)  # its process group, as a terminal's Ctrl-C
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = err.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    assert text.strip().splitlines()[-1].startswith("trainer: stopped by SIGTERM at step ")
+    assert text.count("stopped by SIGTERM") == 1 and code == 3, text[-3000:]
 
 
 class _Tty(io.StringIO):

@@ -1,6 +1,7 @@
 """Faults and preflight: dry run, doctor, re-runs. (SIGKILLed ranks under torchrun's restarts,
 killed twice, one per rank: tests/test_example.py, on the ratings example.)"""
 
+import contextlib
 import hashlib
 import json
 import os
@@ -63,6 +64,17 @@ def test_a_fresh_dry_run_round_trips_a_real_checkpoint_and_leaves_no_run_behind(
     report = train(config.load(None, [*TINY, f"run_dir={fresh}"]), dry_run=True)
     assert report["checkpoint"]["bytes"] > 0 and verified and compared == verified
     assert not fresh.exists() or not any(fresh.rglob("*.json"))
+
+
+def test_the_dry_run_shows_what_summarize_returned_for_its_eval_batch(tmp_path, capsys):
+    from trainer.train import train
+
+    report = train(config.load(None, [*TINY, f"run_dir={tmp_path / 'run'}"]), dry_run=True)
+    got = report["eval_batch"]["metrics"]
+    assert set(got) == {"loss", "accuracy", "count"} and got["count"] == 7  # the 7 test samples
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if "dry run ok" in line]
+    shown = f"eval batch 7 samples (loss {got['loss']:.4g}, accuracy {got['accuracy']:.4g}) |"
+    assert shown in line, line
 
 
 def test_dry_run_fails_fast_on_a_non_finite_loss(tmp_path):
@@ -168,3 +180,50 @@ def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path, monkeyp
     api.fit(None, overrides, model=probe, data=tiny, exit_on_error=False)
     assert seen == {"on": True, "cudnn": True, "cublas": ":4096:8"}
     assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+def test_ranks_die_with_torchrun_and_a_run_folder_holds_one_job(tmp_path):
+    """SIGKILL to torchrun's process group (a killed srun step, a lost shell): torchrun starts
+    each rank in a session of its own, and the ranks used to train on. Now they end within a
+    second. While they ran, a second job into the same folder is refused in one line naming the
+    holder (exit 2); the lock the killed job leaves never blocks the rerun, which resumes."""
+    import signal
+
+    run_dir = tmp_path / "run"
+    args = ["train", *helpers.REFERENCE, "model.kwargs.delay=0.5", f"run_dir={run_dir}"]
+    cmd = helpers.trainer_argv(*args, nproc=2)
+    first = subprocess.Popen(
+        cmd, env=helpers.env(), cwd=ROOT, start_new_session=True, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        helpers.wait_for(lambda: helpers.checkpoints(run_dir), 180, "a checkpoint", first)
+        workers = helpers.children(first.pid)
+        assert len(workers) == 2, workers
+        second = trainer(*args, check=False)  # one process: its own exit code, no torchrun
+        lines = second.stderr.strip().splitlines()
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+        assert f"run_dir {run_dir} is in use by another job: rank 0 on " in lines[0]
+        assert f"pid {max(workers)}" in lines[0] or f"pid {min(workers)}" in lines[0]
+        assert "since" in lines[0]
+        os.killpg(first.pid, signal.SIGKILL)  # torchrun; its ranks are in sessions of their own
+        helpers.wait_for(lambda: not any(_alive(w) for w in workers), 10, "the ranks to end")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(first.pid, signal.SIGKILL)
+        out = first.communicate(timeout=30)[0]
+    assert "its launcher (torchrun, pid" in out and "is gone" in out, out[-3000:]
+    # At once: the dead job's lock does not block it (a short end: train.max_steps may change).
+    step = int(helpers.checkpoints(run_dir)[-1].removeprefix("step-"))
+    rerun = trainer(*args, f"train.max_steps={step + 1}", nproc=2)
+    assert f"step-{step:09d} (step {step}" in rerun.stdout, rerun.stdout[-2000:]
+    assert not (run_dir / ".job.lock").exists()

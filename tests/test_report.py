@@ -132,6 +132,56 @@ def test_optional_per_step_fields_get_their_own_plots_and_columns(tmp_path, caps
     assert rows["a w1"]["median tokens/s"] == "250,000"
 
 
+def test_a_metric_constant_at_every_evaluation_is_tabulated_not_plotted(tmp_path, capsys):
+    # "labelled": the same at every evaluation of every run, a flat line; "half": constant in
+    # each run but different between them, which a plot does compare.
+    runs = [fake_run(tmp_path, "a", world=1), fake_run(tmp_path, "b", world=2)]
+    for run, half in zip(runs, (1.0, 2.0), strict=True):
+        records = read_jsonl(run / "metrics.jsonl")
+        for r in records:
+            if r["kind"] == "eval":
+                r.update({"eval.labelled": 300, "eval.half": half})
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "out"
+    code, stdout, err = run_report(capsys, *runs, "-o", out)
+    assert code == 0, err
+    plotted = {p.rsplit("/", 1)[1] for p in stdout.split()}
+    assert {"eval_loss.png", "eval_accuracy.png", "eval_half.png"} <= plotted
+    assert "eval_labelled.png" not in plotted and not (out / "eval_labelled.png").exists()
+    md = (out / "report.md").read_text()
+    assert table(md)["b w2"]["final eval labelled"] == "300"
+    assert "- labelled is 300 at every evaluation: not plotted" in md
+
+
+def _overlap(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_the_rank_panels_legend_covers_no_bar_and_no_label(tmp_path):
+    # The tallest bar is rank 0's, a straggler, labelled above it: where a legend inside the
+    # axes' upper left corner sat.
+    run = fake_run(tmp_path, "a", world=4)
+    summary = json.loads((run / "summary.json").read_text())
+    times = [(9.0, 3.0), (5.0, 2.5), (5.2, 2.0), (4.9, 8.0)]
+    summary["ranks"] = [
+        {"rank": i, "forward_ms_per_step": f, "data_wait_ms_per_step": w, "straggler": []}
+        for i, (f, w) in enumerate(times)
+    ]
+    summary["ranks"][0]["straggler"] = ["compute"]
+    (run / "summary.json").write_text(json.dumps(summary))
+    runs = [report.load_run(str(run))]
+    report.label_runs(runs)
+    fig = report.rank_panel(runs)
+    fig.draw_without_rendering()
+    legends = [*fig.legends, *(ax.get_legend() for ax in fig.axes if ax.get_legend())]
+    assert [t.get_text() for t in legends[0].get_texts()] == ["forward", "data wait"]
+    drawn = [a for ax in fig.axes for a in (*ax.patches, *ax.texts)]
+    assert len(drawn) == 9  # 8 bars and the straggler's label
+    for legend in legends:
+        box = legend.get_window_extent()
+        assert not [a for a in drawn if _overlap(box, a.get_window_extent())]
+
+
 def test_a_run_cut_short_mid_write_is_reported_with_a_note(tmp_path, capsys):
     run = fake_run(tmp_path, "killed", world=2, finished=False)
     with open(run / "metrics.jsonl", "a") as f:

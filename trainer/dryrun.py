@@ -1,8 +1,9 @@
 """`trainer train --dry-run`: fail in minute one, not at 99%.
 
 Exercises the paths a long run only reaches late: one training step on the LAST (smallest)
-batch of an epoch, one evaluation batch, and a checkpoint save + verify + load round trip on the
-real checkpoint filesystem (read back by every rank, which proves the storage is shared).
+batch of an epoch, one evaluation batch per rank (what the task's summarize returns for them is
+shown), and a checkpoint save + verify + load round trip on the real checkpoint filesystem (read
+back by every rank, which proves the storage is shared).
 It writes nothing that stays: no metrics, no config, and its checkpoint goes to a private
 temporary folder that is removed afterwards.
 """
@@ -18,9 +19,8 @@ import torch
 from trainer import batch as batches
 from trainer import data, metrics, ranks
 from trainer.errors import UsageError
-from trainer.evaluate import summarized
+from trainer.evaluate import batch_metrics, batch_sums
 from trainer.strategy import unwrap
-from trainer.tasks import checked_metrics, forward
 
 if TYPE_CHECKING:
     from trainer.run import Run
@@ -49,11 +49,18 @@ def check(run: Run) -> dict:
     run.log.info(
         f"dry run ok: last batch (step {lb['step_in_epoch'] + 1}/{len(plan)}, "
         f"{lb['global_samples']} samples over {world.size} rank(s)) loss {lb['loss']:.4f} in "
-        f"{lb['seconds']:.2f} s | eval batch {ev['global_samples']} samples | checkpoint "
-        f"{ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in {ck['seconds']:.2f} s\n"
+        f"{lb['seconds']:.2f} s | eval batch {ev['global_samples']} samples{_shown(ev)} | "
+        f"checkpoint {ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in "
+        f"{ck['seconds']:.2f} s\n"
         f"{metrics.memory_line(report['memory']) if world.is_main else ''}"
     )
     return report
+
+
+def _shown(eval_batch: dict) -> str:
+    """' (loss 2.305, accuracy 0.08)': what summarize returned for the eval batch ('' if none)."""
+    parts = metrics._metrics_text(eval_batch["metrics"])
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _last_batch_step(run: Run, plan) -> dict:
@@ -79,17 +86,21 @@ def _last_batch_step(run: Run, plan) -> dict:
 
 
 def _eval_batch(run: Run) -> dict:
+    """One evaluation batch per rank through the task's metrics and summarize (their contract,
+    checked on real batches), added over the ranks as an evaluation adds them: what summarize
+    returned is shown, so a metric that comes out wrong is seen in minute one too."""
     world = run.world
     started = time.perf_counter()
     net = unwrap(run.model).eval()
-    with torch.no_grad():  # the task's metrics contract, checked on a real batch
+    with torch.no_grad():
         stream = data.eval_batches(run.data, run.cfg.data.eval_batch_size, world.rank, world.size)
         first = next(stream, None)
-        n = 0 if first is None else batches.size(first)
-        counts = torch.tensor([n], dtype=torch.float64, device=world.device)
-        if first is not None:  # and summarize, on this batch's sums alone
-            sums = checked_metrics(run.task, run.task.metrics(forward(run.task, net, first), first))
-            summarized(run.task, {k: (float(s), float(c)) for k, (s, c) in sums.items()})
-    ranks.all_reduce_sum(counts)
+        found = [] if first is None else [batch_sums(net, run.task, first)]
     net.train()
-    return {"global_samples": int(counts.item()), "seconds": time.perf_counter() - started}
+    n = 0 if first is None else batches.size(first)
+    counts = ranks.all_reduce_sum(torch.tensor([n], dtype=torch.float64, device=world.device))
+    return {
+        "global_samples": int(counts.item()),
+        "metrics": batch_metrics(run.task, found, world),
+        "seconds": time.perf_counter() - started,
+    }

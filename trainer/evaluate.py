@@ -37,28 +37,45 @@ def evaluate(
     was_training = net.training
     net.eval()
     found = [
-        _batch_sums(net, task, b)
+        batch_sums(net, task, b)
         for b in data.eval_batches(spec, batch, world.rank, world.size, whole=whole_batches)
     ]
     net.train(was_training)
-    mine = found[0][0] if found else None
-    names = ranks.first_of_ranks(mine)  # a rank without batches learns the names
+    # A rank without batches learns the names from the others.
+    names = ranks.first_of_ranks(found[0][0] if found else None)
     if names is None:
         raise UsageError("evaluation: the test split gave no batches on any rank")
+    n_batches = -(-len(spec.test) // batch) if whole_batches else None
+    return _summary(task, names, _totals(names, found, world, n_batches))
+
+
+def batch_metrics(task: Task, found: list, world: World) -> dict:
+    """task.summarize over `found` (batch_sums of this rank's batches) added over every rank,
+    as `evaluate` does; {} when no rank had a batch. The dry run's one batch per rank."""
+    names = ranks.first_of_ranks(found[0][0] if found else None)
+    return {} if names is None else _summary(task, names, _totals(names, found, world))
+
+
+def _totals(names, found: list, world: World, n_batches: int | None = None) -> torch.Tensor:
+    """The rows of `found` added over batches and ranks: (sum, count) per metric, samples, and
+    the names-mismatch flag. With n_batches (whole_batches), a table of a row per batch filled in
+    by the ranks (one rank's row plus zeros: an exact all-reduce), added in batch order."""
     width = 2 * len(names) + 2  # (sum, count) per metric, samples, a mismatch flag
     rows = [_row(names, sums, n, width, world.device) for _, sums, n in found]
-    if whole_batches:
-        n_batches = -(-len(spec.test) // batch)
+    if n_batches is not None:
         first = sampler.chunk_bounds(n_batches, world.rank, world.size)[0]
         table = torch.zeros(n_batches, width, dtype=torch.float64, device=world.device)
         for i, row in enumerate(rows):
             table[first + i] = row
-        totals = ranks.all_reduce_sum(table).sum(dim=0)
-    else:
-        totals = torch.zeros(width, dtype=torch.float64, device=world.device)
-        for row in rows:
-            totals += row
-        ranks.all_reduce_sum(totals)
+        return ranks.all_reduce_sum(table).sum(dim=0)
+    totals = torch.zeros(width, dtype=torch.float64, device=world.device)
+    for row in rows:
+        totals += row
+    return ranks.all_reduce_sum(totals)
+
+
+def _summary(task: Task, names, totals: torch.Tensor) -> dict:
+    """task.summarize of the totals (checked), with `count`, the samples, unless it says one."""
     values = totals.tolist()
     if values[-1]:
         raise UsageError(
@@ -73,7 +90,7 @@ def evaluate(
     return result
 
 
-def _batch_sums(net, task: Task, b) -> tuple[tuple[str, ...], dict, int]:
+def batch_sums(net, task: Task, b) -> tuple[tuple[str, ...], dict, int]:
     """(metric names, {name: (sum, count)}, samples) of one batch."""
     sums = checked_metrics(task, task.metrics(forward(task, net, b), b))
     return tuple(sums), sums, batches.size(b)

@@ -10,7 +10,7 @@ import re
 import sys
 import time
 
-from trainer.errors import ExitCode, TrainerError
+from trainer.errors import ExitCode, Preempted, TrainerError
 
 __all__ = [
     "RANK0_GRACE_S",
@@ -120,11 +120,13 @@ def node_exit_code(folder: str, fallback: int, signalled: bool = False) -> int:
 
 def report(e: TrainerError, prog: str = "trainer") -> int:
     """Print a TrainerError as its one line (rank 0 alone for errors that are the same on every
-    rank), leave it for the launcher, and return its exit code."""
+    rank), leave it for the launcher, and return its exit code. A stop by a signal (Preempted,
+    exit 3) is normal operation, not an error: `trainer: stopped by SIGTERM at step N; ...`."""
     rank = os.environ.get("RANK", "0")
     if rank in ("", "0") or e.every_rank:
         named = rank in ("", "0") or str(e).startswith(f"rank {rank}")
-        line = f"{prog}: error: {'' if named else f'[rank {rank}] '}{e}"
+        kind = "" if isinstance(e, Preempted) else "error: "
+        line = f"{prog}: {kind}{'' if named else f'[rank {rank}] '}{e}"
         print(line, file=sys.stderr, flush=True)
         record_message(line)
     else:  # rank 0 says it: an early exit here would let torchrun stop rank 0 before it does

@@ -213,6 +213,18 @@ def eval_keys(runs: list[RunMetrics]) -> list[str]:
     return sorted(found, key=lambda k: (k != "eval.loss", found.index(k)))
 
 
+def constant_evals(runs: list[RunMetrics]) -> dict[str, float]:
+    """{eval key: its value} for the eval metrics with one same value at every evaluation of
+    every run (two evaluations at least): a flat line says nothing, so they are not plotted;
+    report.md's table keeps them (a summarize that returns a count, a setting)."""
+    found = {}
+    for key in eval_keys(runs):
+        values = [v for run in runs for v in run.series(key, "eval")[1]]
+        if len(values) > 1 and len(set(values)) == 1:
+            found[key] = values[0]
+    return found
+
+
 def _unit_label(key: str) -> str:
     if key.endswith("_ms"):
         return f"{key} (ms)"
@@ -277,9 +289,11 @@ def figures(runs: list[RunMetrics]) -> dict[str, object]:
     for key in train_keys(runs):
         title, ylabel = _KNOWN.get(key, (key, _unit_label(key)))
         draw(key, "train", title, ylabel)
+    flat = constant_evals(runs)
     for key in eval_keys(runs):
-        name = key.removeprefix("eval.")
-        draw(key, "eval", f"Eval {name} (test split)", name)
+        if key not in flat:
+            name = key.removeprefix("eval.")
+            draw(key, "eval", f"Eval {name} (test split)", name)
     if panel := rank_panel(runs):
         out["ranks.png"] = panel
     return out
@@ -314,7 +328,10 @@ def rank_panel(runs: list[RunMetrics]):
             "compute": ax.bar([i - 0.2 for i in x], fwd, 0.4, label="forward"),
             "data": ax.bar([i + 0.2 for i in x], wait, 0.4, label="data wait"),
         }
-        ax.legend(loc="upper left", fontsize="small")  # before the outlines: plain swatches
+        if ax is axes[0]:  # one legend, beside the panels: inside, it covered bars and labels
+            fig.legend(  # made before the outlines: plain swatches
+                handles=list(bars.values()), loc="outside right upper", fontsize="small"
+            )
         for i, r in enumerate(rows):
             for kind in r.get("straggler") or []:
                 bar = bars[kind][i] if kind in bars else None
@@ -448,6 +465,10 @@ def markdown(runs: list[RunMetrics], images: list[str]) -> str:
     for run, rows in rank_tables(runs):
         lines += _rank_table(run, rows)
     notes = [n for run in runs for n in run.notes]
+    notes += [
+        f"{key.removeprefix('eval.')} is {_fmt(value)} at every evaluation: not plotted"
+        for key, value in constant_evals(runs).items()
+    ]
     if notes:
         lines += ["", "Notes:", "", *(f"- {n.removeprefix('note: ')}" for n in notes)]
     lines += ["", *(f"![{os.path.splitext(p)[0]}]({p})" for p in images)]

@@ -52,7 +52,8 @@ def fit(
     task: a trainer.Task, or a Task subclass or factory (called with data, num_classes, ...
         as it names them, plus task.kwargs);
     dry_run: `trainer train --dry-run`: one step on an epoch's last batch, one evaluation batch
-        (metrics and summarize), a checkpoint round trip; nothing is kept. `--dry-run` among
+        (metrics and summarize), a checkpoint round trip; nothing is kept, and the dry run's
+        report is returned, not a summary (trainer/dryrun.py check()). `--dry-run` among
         the overrides (a script's sys.argv[1:]) does the same;
     exit_on_error: end the process on a TrainerError with its one line and exit code, as
         `trainer train` does (default); False: raise it.

@@ -150,7 +150,11 @@ def save_safetensors(
 ) -> None:
     """safetensors' save_file, whose failed writes (full disk, I/O error, read-only disk) raise
     an OSError with the OS's errno, as any other file's do: safetensors says it only in its
-    message, and without the errno a read-only disk would pass for a retryable failure."""
+    message, and without the errno a read-only disk would pass for a retryable failure.
+
+    The file gets the mode any tool's new file gets (0666 less the umask): safetensors (0.8)
+    writes a temporary file of mode 0600 and renames it, which another user, or a pod of another
+    uid on the shared volume, could not read."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -161,6 +165,22 @@ def save_safetensors(
         if found is None:
             raise
         raise OSError(int(found[2]), found[1], path) from None
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it: os.umask sets it, and in between another
+    thread (the checkpoint writer, the metrics) would create files with the wrong mode."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no /proc (not Linux): set and restore at once
+    os.umask(mask)
+    return mask
 
 
 def _torch_save(obj, path: str) -> None:

@@ -481,7 +481,7 @@ class Traceback:
 
 class StderrFilter:
     """Passes torchrun's stderr through line by line, holding back four things: the ranks'
-    `trainer: error:` lines, torchrun's own log lines (`E1123 12:00:00.000 123 torch/...`), the
+    `trainer: error:` and `trainer: stopped by` lines, torchrun's own log lines (`E1123 12:00:00.000 123 torch/...`), the
     traceback torchrun prints after a worker failed or after it was signalled (SIGTERM: a
     SignalException, ~29 lines, in every preempted pod's log), and one that comes before anything
     else was printed until it ends: when it is torchrun's failure to join the other nodes, it is
@@ -489,6 +489,8 @@ class StderrFilter:
     drop what was held and print that line last; without one, print everything held, in order.
     c10d's rendezvous retries (trainer.noise.C10dNoise) are dropped as they come."""
 
+    RANK_LINES = (b"trainer: error: ", b"trainer: stopped by ")
+    """The ranks' own last lines: an error's, or a stop's by a signal (exit 3, not an error)."""
     AGENT = re.compile(rb"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
     FAILED = re.compile(rb"failed \(exitcode: ")
     SIGNALLED = re.compile(rb"Received \d+ death signal, shutting down workers")
@@ -531,7 +533,7 @@ class StderrFilter:
             self.held.append(raw)
         elif self.noise.known(raw):
             return
-        elif raw.startswith(b"trainer: error: "):
+        elif raw.startswith(self.RANK_LINES):
             self.errors.append(raw)
         elif self.AGENT.match(raw):
             self.held.append(raw)
