@@ -126,11 +126,6 @@ class ModelState:
         with loading("optimizer"):
             self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
 
-    def whole_weights(self, world: World) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0 (None elsewhere); every rank calls it (gathering
-        shards is a collective)."""
-        return self.strategy.full_state_dict(self.model, world)
-
     def local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's part of the live weights (its shards where sharded), on the CPU."""
         state = unwrap(self.model).state_dict()
