@@ -261,3 +261,31 @@ def test_a_scripts_dry_run_checks_the_contract_and_keeps_nothing(tmp_path, monke
     assert report["dry_run"] and report["last_batch"]["global_samples"] == 1
     assert report["eval_batch"]["global_samples"] == 7 and report["checkpoint"]["bytes"] > 0
     assert not (tmp_path / "runs").exists()  # no run folder left behind
+
+
+@pytest.mark.parametrize(
+    "message, says",
+    [
+        # torch's conv words a device mismatch on a GPU like a dtype one: told apart by the types
+        (
+            "Input type (torch.FloatTensor) and weight type (torch.cuda.FloatTensor) should be "
+            "the same or input should be a MKLDNN tensor and weight is a dense tensor",
+            "tensors on different devices",
+        ),
+        (
+            "Input type (torch.cuda.DoubleTensor) and weight type (torch.cuda.FloatTensor) "
+            "should be the same",
+            "the batch and the model have different dtypes",
+        ),
+        ("mat1 and mat2 must have the same dtype, but got Double and Float", "different dtypes"),
+    ],
+)
+def test_forward_errors_name_a_device_or_a_dtype_mismatch_in_one_line(message, says):
+    class Raises(tasks.Classification):
+        def forward(self, model, batch):
+            raise RuntimeError(message)
+
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(UsageError, match=says) as e:
+        tasks.forward(Raises(), model, (torch.ones(3, 4), torch.zeros(3, dtype=torch.long)))
+    assert "\n" not in str(e.value)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -334,7 +335,8 @@ def forward(task: Task, model: torch.nn.Module, batch) -> Any:
         return task.forward(model, batch)
     except (RuntimeError, ValueError) as e:
         text = str(e)
-        if isinstance(e, RuntimeError) and any(m in text for m in _DEVICE_MISMATCH):
+        device = any(m in text for m in _DEVICE_MISMATCH) or _devices_differ(text)
+        if isinstance(e, RuntimeError) and device:
             raise UsageError(
                 f"{type(task).__name__}.forward: tensors on different devices "
                 f"({first_line(e)}): the trainer puts the batch and the model on the run's "
@@ -344,6 +346,13 @@ def forward(task: Task, model: torch.nn.Module, batch) -> Any:
         if any(m in text for m in _DTYPE_MISMATCH):
             raise dtype_mismatch(task, model, batch, e) from None
         raise
+
+
+def _devices_differ(text: str) -> bool:
+    """torch's conv says "Input type (X) and weight type (Y) should be the same" of dtypes and of
+    devices alike: a device mismatch when one of X, Y is a CUDA tensor type and the other not."""
+    found = re.search(r"Input type \((.*?)\) and \w+ type \((.*?)\)", text)
+    return bool(found) and ("cuda" in found[1]) != ("cuda" in found[2])
 
 
 def _dtypes(tensors) -> str:
