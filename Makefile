@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example test test-quick test-image lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example test test-quick test-image test-slurm lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -96,6 +96,9 @@ test-quick: setup  ## the suite without the tests marked slow (about 5 minutes h
 
 test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~14 min; 12 GB free disk, ~10 GB used at peak)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
+
+test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
+	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)
 
 lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose files, k8s/) and Docker Compose
 	$(BIN)/ruff check trainer tests scripts examples $(wildcard bench)

@@ -58,7 +58,8 @@ def pytest_collection_modifyitems(config, items):
     worker ends alone with one; otherwise the collection order.
 
     GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
-    (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`.
+    (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`; so do the
+    Slurm-marked ones (a cluster of daemons, root): `make test-slurm`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.
@@ -68,11 +69,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     expr = config.getoption("markexpr", "") or ""
-    if not re.search(r"(?<!not )\bimage\b", expr):
-        image = [item for item in items if item.get_closest_marker("image")]
-        if image:
-            config.hook.pytest_deselected(items=image)
-            items[:] = [item for item in items if not item.get_closest_marker("image")]
+    for marker in ("image", "slurm"):  # their own make targets: test-image, test-slurm
+        if not re.search(rf"(?<!not )\b{marker}\b", expr):
+            chosen = [item for item in items if item.get_closest_marker(marker)]
+            if chosen:
+                config.hook.pytest_deselected(items=chosen)
+                items[:] = [item for item in items if not item.get_closest_marker(marker)]
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu_items:
         return

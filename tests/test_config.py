@@ -336,6 +336,21 @@ def test_preempted_counts_only_when_the_node_itself_was_signalled(tmp_path):
     assert node_exit_code(str(tmp_path), 143, signalled=True) == 4
 
 
+def test_a_stop_by_signal_leaves_its_line_on_every_node(tmp_path, monkeypatch, capsys):
+    """Rank 0 alone prints `trainer: stopped by ...`, but ranks on other nodes leave it for their
+    node's launcher too: else node 1 (a Slurm node, a pod) ends with torchrun's traceback."""
+    from trainer import exitstatus
+    from trainer.errors import Preempted
+
+    monkeypatch.setattr(exitstatus, "RANK0_GRACE_S", 0)
+    monkeypatch.setenv(exitstatus.STATUS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv("RANK", "2")
+    stop = Preempted("stopped by SIGTERM at step 6; checkpoint c saved: rerun to resume")
+    assert exitstatus.report(stop) == 3 and capsys.readouterr().err == ""
+    exitstatus.record_exit(3)
+    assert exitstatus.node_message(str(tmp_path), 3) == f"trainer: {stop}"
+
+
 # --- trainer config explain: the schema's own docstrings, from the CLI ------------------------
 
 

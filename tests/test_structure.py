@@ -15,7 +15,7 @@ LAYERS = [
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
     "checkpoint.writer",
     "exitstatus envvars registry gpt perf invariant rundir report runlock orphans",
-    "config.schema diagnostics.stall launch.threads launch.nodeenv",
+    "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
     "repro optim models tasks data ranks",

@@ -130,6 +130,8 @@ def report(e: TrainerError, prog: str = "trainer") -> int:
         print(line, file=sys.stderr, flush=True)
         record_message(line)
     else:  # rank 0 says it: an early exit here would let torchrun stop rank 0 before it does
+        if isinstance(e, Preempted):  # but every node's launcher ends with the stop's line
+            record_message(f"{prog}: {e}")
         time.sleep(RANK0_GRACE_S)
     return int(e.exit_code)
 

@@ -4,6 +4,7 @@
     nodeenv.py    the node env contract (PET_*, NNODES, NODE_RANK, ...) -> Node, pure
     netif.py      this node's address and interface towards the rendezvous host
     threads.py    CPUs this container may use (affinity, cgroup quota) -> OMP_NUM_THREADS per rank
+    slurm.py      a Slurm job step (SLURM_*, scontrol) -> the node contract or a rank's variables
 
 Only the launcher imports these; the trainer's ranks never do.
 """

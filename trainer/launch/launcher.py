@@ -17,6 +17,7 @@ them to the workers.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import shlex
@@ -28,6 +29,7 @@ from typing import NamedTuple
 from trainer.cli import COMMANDS
 from trainer.errors import ExitCode, TrainerError, UsageError, shorten
 from trainer.exitstatus import STATUS_DIR_ENV
+from trainer.launch import slurm
 from trainer.launch.nodeenv import CONSUMED_PET, Node, launched_by_torchrun, read_node
 from trainer.launch.threads import available_cpus, threads_per_rank, user_threads
 
@@ -291,6 +293,30 @@ def _rdzv_conf(node: Node) -> dict[str, str]:
     return conf
 
 
+def slurm_plan(
+    plan: Plan, job: slurm.SlurmJob, env: Mapping[str, str], cpus: int, route: Route | None = None
+) -> Plan:
+    """The plan for a Slurm job step: Slurm's summary first; one task per process runs the
+    command directly with its rank's variables (threads, the interface towards the first node
+    for gloo/NCCL, a run folder that stays the same across requeues), as torchrun would have
+    given them. `route`: how this node reaches the first node (several nodes)."""
+    from trainer.rundir import STABLE_ENV
+
+    summary = f"{job.summary}; {plan.summary}" if not job.per_task else job.summary
+    if not job.per_task:
+        return dataclasses.replace(plan, summary=summary)
+    added = dict(job.env)
+    added.update(TORCH_ENV)
+    if job.nodes > 1 and route is not None and route.ifname:  # as _multi_node does for torchrun
+        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if not env.get(var):
+                added[var] = route.ifname
+    added.setdefault(STABLE_ENV, env.get(STABLE_ENV) or "1")
+    if (threads := threads_per_rank(env, cpus, 1)) is not None:
+        added["OMP_NUM_THREADS"] = str(threads)
+    return dataclasses.replace(plan, env=added, summary=summary)
+
+
 # ---------------------------------------------------------------------------------------------
 # The side effects: GPUs, network, config check, running torchrun, signals.
 
@@ -354,6 +380,9 @@ class Forwarder:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.child = None
+        self.forward = True
+        """False under a Slurm job step: slurmstepd signals every process of the step itself
+        (torchrun and the ranks too), and a second SIGTERM would break torchrun's shutdown."""
         self._previous: dict = {}
 
     def install(self) -> None:
@@ -371,7 +400,7 @@ class Forwarder:
 
     def _handle(self, signum, _frame) -> None:
         self.received.append(signum)
-        if self.child is not None and self.child.poll() is None:
+        if self.forward and self.child is not None and self.child.poll() is None:
             self.child.send_signal(signum)
 
     @property
@@ -404,10 +433,12 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
     out = StderrFilter(sys.stderr)
     try:
         # A session of its own: a terminal's Ctrl-C reaches torchrun once (from us), not twice.
+        # Not under Slurm, which signals the step's processes itself (all of them, or with
+        # proctrack/pgid the process group: then torchrun must be in ours).
         signals.child = subprocess.Popen(
             plan.argv,
             env=env,
-            start_new_session=True,
+            start_new_session=signals.forward,
             preexec_fn=_die_with_parent,
             stderr=subprocess.PIPE,
         )
@@ -712,14 +743,19 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
     if command.distributed and not launched_by_torchrun(env):
         cfg = check_trainer_config(command) if command.is_trainer else None
         gpus = 0 if cfg is not None and cfg.dist.device == "cpu" else visible_gpus()
-    plan = make_plan(
-        env,
-        command,
-        gpus=gpus,
-        cpus=available_cpus(),  # the container's CPU quota too, not only its affinity
-        python=sys.executable,
-        probe=probe_route,
-    )
+    job, cpus = None, available_cpus()  # the container's CPU quota too, not only its affinity
+    if command.distributed and not launched_by_torchrun(env) and slurm.in_job_step(env):
+        job = slurm.read_slurm(env, gpus=gpus, first_node=slurm.first_node)
+        cpus = slurm.cpus_for_task(env, cpus, job)
+        env = {**env, **job.env} if job else env
+    plan = make_plan(env, command, gpus=gpus, cpus=cpus, python=sys.executable, probe=probe_route)
+    if job is not None:
+        route = None
+        if job.per_task and job.nodes > 1:
+            first = {k: job.env[k] for k in ("MASTER_ADDR", "MASTER_PORT")}
+            route = probe_route(read_node(first, gpus=0, cpus=1), env)
+        plan = slurm_plan(plan, job, env, cpus, route)
+        signals.forward = False
     if cfg is not None and plan.world_size:
         from trainer.config import check_world_size, resolve_strategy
 
@@ -737,10 +773,12 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
             file=sys.stderr,
             flush=True,
         )
+    if job is not None and job.hosts_store:
+        slurm.check_port_free(job.port, job.first_node)
     if not plan.child:
         signals.restore()
         try:
-            os.execvp(plan.argv[0], list(plan.argv))
+            os.execvpe(plan.argv[0], list(plan.argv), {**os.environ, **plan.env})
         except FileNotFoundError:
             raise UsageError(f"{plan.argv[0]}: command not found") from None
     return run_child(plan, signals)
