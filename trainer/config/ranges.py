@@ -94,6 +94,8 @@ RANGES: dict[str, Range] = {
     "train.clip_grad_norm": Range(0.0, 1e6, lo_open=True),
     "dist.timeout_s": Range(1, 7 * 24 * 3600),
     "log.every_steps": Range(1, _STEPS),
+    "log.mlflow.flush_s": Range(0.0, 24 * 3600.0),
+    "log.wandb.flush_s": Range(0.0, 24 * 3600.0),
     "ckpt.every_steps": Range(0, _STEPS),
     "ckpt.every_minutes": Range(0.0, 7 * 24 * 60.0),
     "ckpt.every_epochs": Range(0, 10**6),
@@ -105,6 +107,8 @@ RANGES: dict[str, Range] = {
 NONEMPTY = frozenset(
     {"name", "run_dir", "data.name", "data.root", "data.text.path", "model.name", "ckpt.dir"}
     | {"ckpt.resume", "ckpt.init_weights", "data.tokens.path", "data.arrays.path", "task.name"}
+    | {"log.mlflow.uri", "log.mlflow.experiment", "log.mlflow.run_name"}
+    | {"log.wandb.project", "log.wandb.entity"}
 )
 """String fields that must not be empty (null, where allowed, is the way to say "none")."""
 

@@ -363,8 +363,58 @@ class FSDPConfig:
 
 
 @dataclass(kw_only=True)
+class MLflowConfig:
+    """log.mlflow: the run in an MLflow tracking server (rank 0 alone talks to it, off the
+    training thread: a server that is down or slow never costs the run; docs/training.md,
+    "Tracking"). Credentials come from the environment only: MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD."""
+
+    uri: str | None = None
+    """The tracking server, http://HOST:PORT or https://...; `env`: $MLFLOW_TRACKING_URI (what
+    a Kubernetes Secret or compose sets). null: no MLflow."""
+    experiment: str | None = None
+    """The MLflow experiment (created if absent). null: $MLFLOW_EXPERIMENT_NAME, else `name`."""
+    run_name: str | None = None
+    """The MLflow run's name. null: the run folder's name."""
+    tags: dict[str, Any] = field(default_factory=dict)
+    """Tags of your own beside the run's facts, e.g. log.mlflow.tags.team=vision."""
+    log_weights: bool = False
+    """Also upload final/model.safetensors as an artifact at the end (config.yaml, summary.json
+    and the report's PNGs always are)."""
+    flush_s: float = 30.0
+    """At the end, wait at most this long for the server to take what is still queued (5 s at
+    most after a stop or an error); then one warning line says what was not sent
+    (metrics.jsonl has it all)."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "log.mlflow.")
+
+
+@dataclass(kw_only=True)
+class WandbConfig:
+    """log.wandb: the run in Weights & Biases (pip install 'repro-trainer[wandb]'), rank 0 alone,
+    off the training thread. WANDB_API_KEY comes from the environment."""
+
+    mode: str = "off"
+    """off | offline (the run under <run_dir>/tracking/wandb, for `wandb sync` to upload later)
+    | online."""
+    project: str | None = None
+    """The W&B project. null: $WANDB_PROJECT, else `name`."""
+    entity: str | None = None
+    """The W&B team or user. null: $WANDB_ENTITY, else your default entity."""
+    tags: dict[str, Any] = field(default_factory=dict)
+    """Tags of your own beside the run's facts (each becomes a `key=value` W&B tag)."""
+    flush_s: float = 30.0
+    """At the end, wait at most this long for W&B to take what is still queued."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "log.wandb.")
+        check_choice("log.wandb.mode", self.mode, ("off", "offline", "online"))
+
+
+@dataclass(kw_only=True)
 class LogConfig:
-    """Metrics records, console progress and TensorBoard."""
+    """Metrics records, console progress, TensorBoard and experiment tracking."""
 
     every_steps: int = 10
     """Write a metrics.jsonl record (and a console line) every N optimizer steps."""
@@ -373,6 +423,8 @@ class LogConfig:
     tensorboard: bool = True
     """Also write TensorBoard event files to <run_dir>/tb (skipped, with a note, if the
     tensorboard package is not installed: pip install 'repro-trainer[tensorboard]')."""
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         check_fields(self, "log.")
