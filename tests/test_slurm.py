@@ -365,13 +365,14 @@ def test_the_torchx_component_on_slurm_equals_one_process(cluster, reference, tm
     torchx = str(Path(sys.prefix) / "bin" / "torchx")
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    argv = [torchx, "run", "-s", "slurm", "-cfg", f"job_dir={job_dir}"]
-    argv += ["trainer/components.py:train", "--nnodes", "2", "--nproc_per_node", "2", *ARGS]
+    argv = [torchx, "run", "--workspace", "", "-s", "slurm", "-cfg", f"job_dir={job_dir}"]
+    component = f"{ROOT / 'trainer' / 'components.py'}:train"  # run from tmp_path: torchx
+    argv += [component, "--nnodes", "2", "--nproc_per_node", "2", *ARGS]  # leaves a file there
     p = cluster.run(
         argv,
         env=env(PATH=f"{Path(sys.prefix) / 'bin'}:{os.environ['PATH']}"),
         check=False,
-        cwd=ROOT,
+        cwd=tmp_path,
     )
     handle = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
     assert handle.startswith("slurm://torchx/"), p.stdout + p.stderr[-2000:]
