@@ -6,6 +6,7 @@
     python bench/bench.py --suite cpu --row "trainer, 1 process" --row "bare loop, 1 process"
     python bench/bench.py --suite ckpt           # checkpoint stall per save: background vs blocking
     python bench/bench.py --suite sweep          # GPT cost against width (4 sizes), world 1 and 2
+    python bench/bench.py --suite headline       # GPT-2-small MFU and more on a GPU (headline.py)
 
 Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
 hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
@@ -592,10 +593,20 @@ def _override(overrides: tuple[str, ...], key: str) -> int:
     return int(next(a.split("=", 1)[1] for a in overrides if a.startswith(key + "=")))
 
 
-def _run(cmd: list[str], threads: int | None) -> tuple[float, float, subprocess.CompletedProcess]:
+def _run(
+    cmd: list[str], threads: int | None, timeout: float | None = None
+) -> tuple[float, float, subprocess.CompletedProcess]:
     launched = time.time()
     t = time.perf_counter()
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True)
+    try:
+        p = subprocess.run(
+            cmd, cwd=ROOT, env=_env(threads), capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as e:
+        tail = (e.stderr or b"")[-2000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        what = f"timed out after {timeout:.0f} s: {' '.join(cmd)}"
+        raise SystemExit(f"benchmark row {what}\n{tail}") from None
     wall = time.perf_counter() - t
     if p.returncode != 0:
         raise SystemExit(
@@ -604,29 +615,34 @@ def _run(cmd: list[str], threads: int | None) -> tuple[float, float, subprocess.
     return launched, wall, p
 
 
-def run_row(row: Row, work: Path) -> dict:
-    """Launch one run of `row`; {"value": its number, ...what else was measured}."""
+def run_row(row: Row, work: Path, timeout: float | None = None, launch=_run) -> dict:
+    """Launch one run of `row`; {"value": its number, ...what else was measured}. `timeout`
+    bounds the run (SystemExit past it); `launch(cmd, threads, timeout)` starts it (default: a
+    subprocess; bench/headline.py's CPU dry run forks instead)."""
     if row.kind == "help":
         cmd = [str(Path(sys.executable).with_name("trainer")), "--help"]
-        _, wall, _ = _run(cmd, row.threads)
+        _, wall, _ = launch(cmd, row.threads, timeout)
         return {"value": wall, "wall_s": wall, "command": " ".join(cmd)}
     if row.kind == "bare":
         steps = _override(row.overrides, "train.max_steps")
         every = _override(row.overrides, "log.every_steps")
         args = [str(ROOT / "bench" / "bare.py"), str(steps), str(every), *row.overrides]
         cmd = [*_launcher(row.nproc), *args]
-        launched, wall, p = _run(cmd, row.threads)
+        launched, wall, p = launch(cmd, row.threads, timeout)
         out = json.loads(p.stdout.strip().splitlines()[-1])
         windows, first = out.pop("windows"), out.pop("first_step_time")
     else:
         run_dir = work / f"run-{time.monotonic_ns()}"
         cmd = [*_launcher(row.nproc), "-m", "trainer", "train", *row.overrides]
         cmd.append(f"run_dir={run_dir}")
-        launched, wall, _ = _run(cmd, row.threads)
+        launched, wall, _ = launch(cmd, row.threads, timeout)
         text = (run_dir / "metrics.jsonl").read_text()
         windows, first = train_windows(text), first_step_time(text)
         summary = json.loads((run_dir / "summary.json").read_text())
-        out = {"peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib")}
+        out = {"peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"), "run_dir": str(run_dir)}
+        out["flops_per_sample"] = summary.get("flops_per_sample")  # the trainer's count (GPUs)
+        if tokens := train_windows(text, "tokens_per_s"):
+            out["tokens_per_s"] = steady(tokens)
         if waits := train_windows(text, "data_wait_pct"):
             out["data_wait_pct"] = steady(waits)
         stalls, writes = checkpoint_stalls(text)
@@ -1014,10 +1030,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--suite",
-        choices=("auto", "cpu", "gpu", "ckpt", "sweep"),
+        choices=("auto", "cpu", "gpu", "ckpt", "sweep", "headline"),
         default="auto",
         help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes); "
-        "sweep: GPT cost against width at world 1 and 2",
+        "sweep: GPT cost against width at world 1 and 2; headline: GPT-2-small MFU, checkpoint "
+        "stall, world_invariant and ResNet-50's data wait on one GPU, once each "
+        "(bench/headline.py; --quick: tiny sizes on the CPU)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")
@@ -1034,6 +1052,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.reps < 1:
         parser.error("--reps must be >= 1")
+    if args.suite == "headline":  # one run per row, its own rows: bench/headline.py
+        if args.only:
+            parser.error("--only: the headline suite takes --row NAME")
+        import headline
+
+        extra = ["--quick"] if args.quick else []
+        extra += [a for name in args.row or () for a in ("--row", name)]
+        extra += ["--note", args.note] if args.note else []
+        return headline.main(["--out", args.out, *extra])
     if args.row and args.suite != "auto":  # a mistyped name must not write an empty result
         names = {r.name for r in SUITES[args.suite][0]()}
         if unknown := [n for n in args.row if n not in names]:
