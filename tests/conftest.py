@@ -69,7 +69,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(group))
     items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     expr = config.getoption("markexpr", "") or ""
-    for marker in ("image", "slurm", "mlflow"):  # their own targets: make test-image, test-slurm, test-mlflow
+    for marker in (
+        "image",
+        "slurm",
+        "mlflow",
+    ):  # their own targets: make test-image, test-slurm, test-mlflow
         if not re.search(rf"(?<!not )\b{marker}\b", expr):
             chosen = [item for item in items if item.get_closest_marker(marker)]
             if chosen:

@@ -5,6 +5,7 @@ on fewer nodes with the same bits, one task per process, scancel, and a lost nod
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -158,6 +159,33 @@ def test_a_port_in_use_on_the_first_node_is_one_line():
             slurm.check_port_free(port, "n0")
 
 
+def test_a_node_that_cannot_reach_the_first_node_is_told_its_slurm_name():
+    """The launcher's plan for node 1 of a 2-node step, and torchrun failing to reach node 0's
+    store: one line naming the address, the port and the Slurm node."""
+    from tests.test_bad_input import TORCHRUN_RENDEZVOUS
+    from trainer.launch.launcher import (
+        Command,
+        StderrFilter,
+        make_plan,
+        rendezvous_error,
+        slurm_plan,
+    )
+
+    job = slurm.read_slurm(step(node=1), gpus=0, first_node=first)
+    environ = {**step(node=1), **job.env}
+    plan = make_plan(environ, Command(("train",)), gpus=0, cpus=2, python="python")
+    plan = slurm_plan(plan, job, environ, 2)
+    f = StderrFilter(io.StringIO())
+    for raw in TORCHRUN_RENDEZVOUS:
+        f.feed(raw)
+    f.close()
+    line = rendezvous_error(f.rendezvous, plan.rendezvous)
+    assert line.startswith(
+        "trainer-launch: error: node 1 cannot reach the rendezvous at 10.1.0.7:19242 (Slurm node "
+        "gpu07, the first of the step's nodes) (The client socket has timed out"
+    ), line
+
+
 def test_trainer_launch_dry_run_in_a_step_of_one_task_per_process(tmp_path):
     """The whole launcher on a one-node step of 2 tasks: rank variables, threads, a stable run
     folder, no torchrun; and a multi-node job's batch script without srun stops with exit 2."""
@@ -184,7 +212,7 @@ def test_trainer_launch_dry_run_in_a_step_of_one_task_per_process(tmp_path):
 ARGS = [
     "train.epochs=2",
     "repro.world_invariant=true",
-    "log.every_steps=2",
+    "log.every_steps=1",  # every step's loss: a resumed run's windows align with the reference's
     "ckpt.every_steps=8",
     "ckpt.keep_last=100",
     "model.name=tests.helpers:slow_mlp",
@@ -331,7 +359,9 @@ def test_a_lost_node_fails_the_attempt_and_the_requeued_job_resumes(cluster, ref
     from the last periodic checkpoint, ending with the reference's bits."""
     job, run, log = submit(cluster, tmp_path, SLOW, MAX_FAILURE_REQUEUES="1")
     wait_for(lambda: checkpoints(run), 120, "a periodic checkpoint")
-    for pid in step_pids(job, "1"):
+    pids = step_pids(job, "1")
+    assert pids and trained_steps(run) < 46, "n1's step was not found running"
+    for pid in pids:
         os.kill(pid, signal.SIGKILL)
     assert cluster.wait(job) == "COMPLETED", log.read_text()[-3000:]
     out = log.read_text()

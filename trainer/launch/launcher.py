@@ -103,6 +103,8 @@ class Rendezvous:
     node_rank: int | None
     join_timeout: str
     """Seconds, as torchrun gets them (--rdzv-conf join_timeout)."""
+    where: str | None = None
+    """What the platform calls the host (Slurm: its node name), said beside the endpoint."""
 
 
 @dataclass(frozen=True)
@@ -304,7 +306,11 @@ def slurm_plan(
 
     summary = f"{job.summary}; {plan.summary}" if not job.per_task else job.summary
     if not job.per_task:
-        return dataclasses.replace(plan, summary=summary)
+        meeting = plan.rendezvous
+        if meeting is not None:
+            named = f"Slurm node {job.first_node}, the first of the step's nodes"
+            meeting = dataclasses.replace(meeting, where=named)
+        return dataclasses.replace(plan, summary=summary, rendezvous=meeting)
     added = dict(job.env)
     added.update(TORCH_ENV)
     if job.nodes > 1 and route is not None and route.ifname:  # as _multi_node does for torchrun
@@ -637,6 +643,8 @@ def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
     kind = match.group(1).decode()
     node = "this node" if rendezvous.node_rank is None else f"node {rendezvous.node_rank}"
     where = f"the rendezvous at {rendezvous.endpoint}"
+    if rendezvous.where:
+        where += f" ({rendezvous.where})"
     if unknown := unresolved(rendezvous.host):
         return (
             f"trainer-launch: error: {node} cannot reach {where}: MASTER_ADDR {rendezvous.host} "
