@@ -200,6 +200,11 @@ def test_trainer_launch_dry_run_in_a_step_of_one_task_per_process(tmp_path):
         assert part in p.stdout
     assert "OMP_NUM_THREADS=1" in p.stdout and "TRAINER_STABLE_RUN_DIR=1" in p.stdout
     assert "torch.distributed.run" not in p.stdout and "-m trainer train" in p.stdout
+    # A step whose task count does not split the global batch: one line before the rank starts.
+    three = {**base, "SLURM_STEP_NUM_TASKS": "3", "SLURM_STEP_TASKS_PER_NODE": "3"}
+    p = subprocess.run(launch, env=three, capture_output=True, text=True, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "3" in p.stderr and "global_batch_size" in p.stderr, p.stderr
     batch = {k: v for k, v in base.items() if not k.startswith("SLURM_STEP")}
     batch["SLURM_JOB_NUM_NODES"] = "2"
     p = subprocess.run(launch, env=batch, capture_output=True, text=True, cwd=tmp_path)

@@ -263,11 +263,7 @@ def _multi_node(
     ]
     if local_addr:
         flags.append(f"--local-addr={local_addr}")
-    added = {}
-    if route and route.ifname:
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if not env.get(var):
-                added[var] = route.ifname
+    added = _socket_ifnames(route, env)
     rank = "?" if node.node_rank is None else node.node_rank
     summary = (
         f"{node.nnodes} nodes x {node.nproc} process(es), this is node {rank}, "
@@ -281,6 +277,15 @@ def _multi_node(
         join_timeout=conf["join_timeout"],
     )
     return _Meeting(flags, added, summary, rendezvous)
+
+
+def _socket_ifnames(route: Route | None, env: Mapping[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME: the interface towards the rendezvous host,
+    unless the user set them."""
+    if route is None or not route.ifname:
+        return {}
+    names = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+    return {var: route.ifname for var in names if not env.get(var)}
 
 
 def _rdzv_conf(node: Node) -> dict[str, str]:
@@ -311,16 +316,12 @@ def slurm_plan(
             named = f"Slurm node {job.first_node}, the first of the step's nodes"
             meeting = dataclasses.replace(meeting, where=named)
         return dataclasses.replace(plan, summary=summary, rendezvous=meeting)
-    added = dict(job.env)
-    added.update(TORCH_ENV)
-    if job.nodes > 1 and route is not None and route.ifname:  # as _multi_node does for torchrun
-        for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if not env.get(var):
-                added[var] = route.ifname
+    added = {**job.env, **TORCH_ENV, **_socket_ifnames(route, env)}
     added.setdefault(STABLE_ENV, env.get(STABLE_ENV) or "1")
     if (threads := threads_per_rank(env, cpus, 1)) is not None:
         added["OMP_NUM_THREADS"] = str(threads)
-    return dataclasses.replace(plan, env=added, summary=summary)
+    world = int(job.env["WORLD_SIZE"])  # checked against the config before the rank starts
+    return dataclasses.replace(plan, env=added, summary=summary, world_size=world)
 
 
 # ---------------------------------------------------------------------------------------------
