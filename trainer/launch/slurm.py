@@ -28,6 +28,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from trainer.envvars import env_int
 from trainer.errors import UsageError
@@ -120,12 +121,28 @@ def read_slurm(
     name, addr = "localhost", "127.0.0.1"  # one node: its ranks meet on loopback
     if nodes > 1:
         name, addr = first_node(env.get("SLURM_STEP_NODELIST", "") or env.get("SLURM_NODELIST", ""))
-    port = job_port(env)
-    job = env["SLURM_JOB_ID"].strip()
-    where = f"{name} ({addr})" if addr != name else name
-    if tasks == nodes:
-        return _per_node(env, gpus, nodes, node, job, addr, port, name, where)
-    return _per_task(env, gpus, tasks, here, nodes, addr, port, name, where)
+    step = _Step(env["SLURM_JOB_ID"].strip(), nodes, node, tasks, here, name, addr, job_port(env))
+    return _per_node(env, gpus, step) if tasks == nodes else _per_task(env, gpus, step)
+
+
+class _Step(NamedTuple):
+    """The job step as read, for the two layouts."""
+
+    job: str
+    nodes: int
+    node: int
+    """This node's index."""
+    tasks: int
+    here: int
+    """Tasks on this node."""
+    name: str
+    """The first node's Slurm name, and its address."""
+    addr: str
+    port: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.name} ({self.addr})" if self.addr != self.name else self.name
 
 
 def _check_user_nodes(env: Mapping[str, str], nodes: int, node: int) -> None:
@@ -149,7 +166,8 @@ def _rdzv_id(env: Mapping[str, str], job: str) -> str:
     return f"slurm-{job}-{step}-r{restart}"
 
 
-def _per_node(env, gpus, nodes, node, job, addr, port, name, where) -> SlurmJob:
+def _per_node(env: Mapping[str, str], gpus: int, step: _Step) -> SlurmJob:
+    nodes, node = step.nodes, step.node
     given = _int(env, "SLURM_GPUS_ON_NODE", "the GPUs Slurm gave this node")
     if given and gpus and gpus < given:
         raise UsageError(
@@ -158,18 +176,18 @@ def _per_node(env, gpus, nodes, node, job, addr, port, name, where) -> SlurmJob:
             "CUDA_VISIBLE_DEVICES in the job script"
         )
     added = {"NNODES": str(nodes), "NODE_RANK": str(node)}
+    summary = f"Slurm job {step.job}: one task per node, node {node} of {nodes}"
     if nodes > 1:
-        added.setdefault("RDZV_ID", env.get("RDZV_ID", "").strip() or _rdzv_id(env, job))
+        added["RDZV_ID"] = env.get("RDZV_ID", "").strip() or _rdzv_id(env, step.job)
         if not env.get("MASTER_ADDR", "").strip():
-            added["MASTER_ADDR"] = addr
-        added["MASTER_PORT"] = str(port)
-    summary = f"Slurm job {job}: one task per node, node {node} of {nodes}"
-    if nodes > 1:
-        summary += f", rendezvous on {where}:{port}"
-    return SlurmJob(added, False, summary, node == 0 and nodes > 1, port, name, 1, nodes)
+            added["MASTER_ADDR"] = step.addr
+        added["MASTER_PORT"] = str(step.port)
+        summary += f", rendezvous on {step.where}:{step.port}"
+    return SlurmJob(added, False, summary, node == 0 and nodes > 1, step.port, step.name, 1, nodes)
 
 
-def _per_task(env, gpus, tasks, here, nodes, addr, port, name, where) -> SlurmJob:
+def _per_task(env: Mapping[str, str], gpus: int, step: _Step) -> SlurmJob:
+    here = step.here
     proc = _int(env, "SLURM_PROCID", "this task's rank") or 0
     local = _int(env, "SLURM_LOCALID", "this task's index on its node") or 0
     nproc = env.get("NPROC_PER_NODE", "").strip() or env.get("PET_NPROC_PER_NODE", "").strip()
@@ -190,17 +208,17 @@ def _per_task(env, gpus, tasks, here, nodes, addr, port, name, where) -> SlurmJo
         )
     added = {
         "RANK": str(proc),
-        "WORLD_SIZE": str(tasks),
+        "WORLD_SIZE": str(step.tasks),
         "LOCAL_RANK": str(local_rank),
         "LOCAL_WORLD_SIZE": str(local_size),
-        "MASTER_ADDR": env.get("MASTER_ADDR", "").strip() or addr,
-        "MASTER_PORT": str(port),
+        "MASTER_ADDR": env.get("MASTER_ADDR", "").strip() or step.addr,
+        "MASTER_PORT": str(step.port),
     }
     summary = (
-        f"Slurm job {env['SLURM_JOB_ID'].strip()}: one task per process, rank {proc} of "
-        f"{tasks} (no torchrun), rendezvous on {where}:{port}"
+        f"Slurm job {step.job}: one task per process, rank {proc} of {step.tasks} (no "
+        f"torchrun), rendezvous on {step.where}:{step.port}"
     )
-    return SlurmJob(added, True, summary, proc == 0, port, name, here, nodes)
+    return SlurmJob(added, True, summary, proc == 0, step.port, step.name, here, step.nodes)
 
 
 def cpus_for_task(env: Mapping[str, str], available: int, job: SlurmJob | None) -> int:
