@@ -34,7 +34,7 @@ def _tree_digest(folder):
 @pytest.mark.slow
 def test_dry_run_exercises_the_tail_batch_and_a_checkpoint_round_trip_and_keeps_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    trainer("train", *TINY, f"run_dir={run_dir}")
+    helpers.train_here("train", *TINY, f"run_dir={run_dir}")  # a finished run: no process start
     before = _tree_digest(run_dir)
     p = trainer(
         "train", "--dry-run", *TINY, "train.epochs=3", f"run_dir={run_dir}", nproc=2,
@@ -91,8 +91,8 @@ def test_dry_run_fails_fast_on_a_non_finite_loss(tmp_path):
 
 
 @pytest.mark.slow
-def test_doctor_reports_and_fails_on_a_broken_env():
-    p = trainer("doctor", check=False)
+def test_doctor_reports_and_fails_on_a_broken_env(capsys, monkeypatch):
+    p = trainer("doctor", check=False)  # the installed command once, end to end
     assert p.returncode == 0, p.stdout
     for name in (
         "GPUs",
@@ -105,16 +105,21 @@ def test_doctor_reports_and_fails_on_a_broken_env():
         "run_dir",
     ):
         assert name in p.stdout
-    p = trainer(
-        "doctor", extra_env={"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, check=False
-    )
-    assert (
-        p.returncode == 2
-        and "FAIL  torchrun env" in p.stdout
-        and "RANK=5 must be < WORLD_SIZE=2" in p.stdout
-    )
-    p = trainer("doctor", "data.name=nope", check=False)
-    assert p.returncode == 2 and "FAIL  config" in p.stdout
+    # The failures in this process (cli.main, what the command runs), in helpers.env()'s clean
+    # environment: no process start and torch import each.
+    from trainer import cli
+    from trainer.ranks import TORCHRUN_VARS
+
+    for name in TORCHRUN_VARS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    code = cli.main(["doctor", "data.name=nope"])
+    assert code == 2 and "FAIL  config" in capsys.readouterr().out
+    for name, value in {"RANK": "5", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    code = cli.main(["doctor"])
+    out = capsys.readouterr().out
+    assert code == 2 and "FAIL  torchrun env" in out and "RANK=5 must be < WORLD_SIZE=2" in out
 
 
 def test_doctor_warns_about_a_small_dev_shm(monkeypatch):
@@ -199,7 +204,13 @@ def test_ranks_die_with_torchrun_and_a_run_folder_holds_one_job(tmp_path):
     import signal
 
     run_dir = tmp_path / "run"
-    args = ["train", *helpers.REFERENCE, "model.kwargs.delay=0.5", f"run_dir={run_dir}"]
+    # A checkpoint every 2 steps: the first one a second in. Then half a second a step, for
+    # minutes if it came to that (it is killed once the second job was refused): the second
+    # job's start, however slow on a loaded machine, finds this one running.
+    args = [
+        "train", *helpers.REFERENCE, "model.kwargs.delay=0.5", "ckpt.every_steps=2",
+        "train.epochs=20", f"run_dir={run_dir}",
+    ]  # fmt: skip
     cmd = helpers.trainer_argv(*args, nproc=2)
     first = subprocess.Popen(
         cmd, env=helpers.env(), cwd=ROOT, start_new_session=True, text=True,
@@ -224,6 +235,6 @@ def test_ranks_die_with_torchrun_and_a_run_folder_holds_one_job(tmp_path):
     assert "its launcher (torchrun, pid" in out and "is gone" in out, out[-3000:]
     # At once: the dead job's lock does not block it (a short end: train.max_steps may change).
     step = int(helpers.checkpoints(run_dir)[-1].removeprefix("step-"))
-    rerun = trainer(*args, f"train.max_steps={step + 1}", nproc=2)
+    rerun = trainer(*args, f"train.max_steps={step + 1}", nproc=2, torchrun=False)
     assert f"step-{step:09d} (step {step}" in rerun.stdout, rerun.stdout[-2000:]
     assert not (run_dir / ".job.lock").exists()

@@ -1,6 +1,8 @@
 """dist.strategy=fsdp (FSDP2 on CPU/gloo) and dp: same numbers as DDP, sharded checkpoints that
 load on any world size and under any strategy, and less memory per rank."""
 
+import contextlib
+import io
 import json
 import os
 import pickle
@@ -22,6 +24,7 @@ from tests.helpers import (
     wait_for,
     weights,
 )
+from trainer import cli
 
 pytestmark = pytest.mark.slow  # real torchrun jobs: 6-60 s each (make test-quick skips them)
 
@@ -151,21 +154,25 @@ def _resume_continues_the_curve(ref, tmp_path, strategy: str, world: int) -> str
     """Resume `ref`'s step-6 checkpoint under `strategy` on `world` ranks: steps 7-12 follow
     ref's curve and end at its weights. Returns the run's output."""
     run_dir = tmp_path / "run"
-    p = trainer(
+    argv = (
         "train",
         *GPT,
         f"dist.strategy={strategy}",
         f"run_dir={run_dir}",
         f"ckpt.resume={ref / 'checkpoints' / 'step-000000006'}",
-        nproc=None if world == 1 else world,
-        torchrun=False,
     )
-    assert "resumed from" in p.stdout
+    if (world, strategy) == (1, "none"):  # a plain process: this one (as runs() makes its run)
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            train_here(*argv)
+        stdout = out.getvalue()
+    else:
+        stdout = trainer(*argv, nproc=None if world == 1 else world, torchrun=False).stdout
+    assert "resumed from" in stdout
     got = train_losses(run_dir)
     assert sorted(got) == list(range(7, 13))
     _close(got, train_losses(ref))
     _weights_close(run_dir, ref)
-    return p.stdout
+    return stdout
 
 
 @pytest.mark.parametrize("world", [1, 4])
@@ -223,7 +230,9 @@ def test_damaged_shards_in_every_checkpoint_stop_the_run_and_keep_them(runs, tmp
 
 def test_export_of_a_sharded_checkpoint_loads_with_safetensors_alone(runs, tmp_path):
     ref = runs(2, "fsdp", *GPT)
-    trainer("export", str(ref / "checkpoints" / "step-000000012"), "-o", str(tmp_path / "out"))
+    # cli.main, what the `trainer` command runs, in this process: no torch import of its own
+    step = ref / "checkpoints" / "step-000000012"
+    assert cli.main(["export", str(step), "-o", str(tmp_path / "out")]) == 0
     from safetensors.torch import load_file
 
     from trainer.gpt import GPT as Model
@@ -237,12 +246,13 @@ def test_export_of_a_sharded_checkpoint_loads_with_safetensors_alone(runs, tmp_p
     assert model(torch.zeros(1, 32, dtype=torch.long)).shape == (1, 32, 256)
 
 
-def test_a_sharded_checkpoint_can_be_evaluated_and_seed_weights(runs, tmp_path):
+def test_a_sharded_checkpoint_can_be_evaluated_and_seed_weights(runs, tmp_path, capsys):
     ref = runs(2, "fsdp", *GPT)
     step = ref / "checkpoints" / "step-000000012"
-    p = trainer("eval", str(step), *GPT)
+    # cli.main in this process, on the CPU as the subprocess runs are (helpers.env hides GPUs)
+    assert cli.main(["eval", str(step), *GPT, "dist.device=cpu"]) == 0
     final_eval = json.loads((ref / "summary.json").read_text())["eval"]
-    got = json.loads(p.stdout.strip().splitlines()[-1])
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(got["loss"] - final_eval["loss"]) <= 1e-6 * final_eval["loss"]
     assert got["bits_per_byte"] == pytest.approx(final_eval["bits_per_byte"], rel=1e-6)
     # ckpt.init_weights: a fresh run (new optimizer, step 0) starting from those weights; its
@@ -358,7 +368,7 @@ def test_dp_trains_in_one_process_and_warns_that_ddp_is_faster(runs):
     assert not any(k.startswith("module.") for k in weights(run_dir))
 
 
-def test_a_checkpoint_metadata_that_would_run_code_is_refused(runs, tmp_path):
+def test_a_checkpoint_metadata_that_would_run_code_is_refused(runs, tmp_path, capsys):
     """DCP unpickles .metadata; a crafted one must not execute, even with a matching manifest."""
     from trainer.checkpoint import store
 
@@ -378,10 +388,13 @@ def test_a_checkpoint_metadata_that_would_run_code_is_refused(runs, tmp_path):
         meta=json.loads((step / "meta.json").read_text()),
         config_yaml=(step / "config.yaml").read_text(),
     )
+    # cli.main in this process (what the `trainer` command runs): a payload that ran would touch
+    # the marker from here; an exception other than the one-line refusal would fail the test.
     for args in (["export", str(step), "-o", str(tmp_path / "out")], ["eval", str(step)]):
-        p = trainer(*args, check=False)
-        assert p.returncode == 2, p.stdout
-        out = p.stdout + p.stderr
+        code = cli.main(args)
+        captured = capsys.readouterr()
+        out = captured.out + captured.err
+        assert code == 2, out
         assert "Traceback" not in out and "posix.system" in out, out
         assert not marker.exists()
     run_dir = tmp_path / "run"

@@ -87,8 +87,9 @@ def fake_root(tmp_path_factory):
         ),
     ],
 )
-def test_on_disk_presets_run_on_fake_data(tmp_path, fake_root, preset, extra, steps, count):
-    p = trainer(
+def test_on_disk_presets_run_on_fake_data(tmp_path, capsys, fake_root, preset, extra, steps, count):
+    code, out, err = _cli(
+        capsys,
         "train",
         "--config",
         preset,
@@ -97,7 +98,8 @@ def test_on_disk_presets_run_on_fake_data(tmp_path, fake_root, preset, extra, st
         "log.progress=none",
         f"run_dir={tmp_path}",
     )
-    assert f"done: {steps} steps" in p.stdout
+    assert code == 0, err
+    assert f"done: {steps} steps" in out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["eval"]["count"] == count and summary["steps"] == steps
 

@@ -1,5 +1,7 @@
 """Exact resume: bitwise after a kill (same world size), 1e-5 on another world size."""
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -15,6 +17,7 @@ from tests.helpers import (
     children,
     read_jsonl,
     spawn,
+    train_here,
     train_losses,
     trainer,
     wait_for,
@@ -22,6 +25,14 @@ from tests.helpers import (
 )
 
 DROPOUT = ["model.dropout=0.1"]  # so the RNG state matters for bitwise equality
+
+
+def _here(*args: str) -> str:
+    """`trainer train ARGS` as one process would run it, in this one (helpers.train_here: the
+    same bits, no process start): its stdout."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        train_here(*args)
+    return out.getvalue()
 
 
 def _bitwise_equal(a, b):
@@ -47,7 +58,7 @@ def test_resume_from_a_mid_epoch_checkpoint_is_bitwise(uninterrupted_w1, tmp_pat
         uninterrupted_w1 / "checkpoints" / "step-000000030",
         run_dir / "checkpoints" / "step-000000030",
     )
-    trainer("train", *BASE, *DROPOUT, "model.kwargs.delay=0", f"run_dir={run_dir}")
+    _here("train", *BASE, *DROPOUT, "model.kwargs.delay=0", f"run_dir={run_dir}")
     assert _bitwise_equal(run_dir, uninterrupted_w1)
     ref, got = train_losses(uninterrupted_w1), train_losses(run_dir)
     assert sorted(got) == list(range(31, 70)) and all(got[s] == ref[s] for s in got)
@@ -64,8 +75,8 @@ def test_sigkill_then_rerun_gives_bitwise_the_same_weights(uninterrupted_w1, tmp
         r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"
     )
     assert killed_at < 69, "the run finished before the kill landed"
-    p = trainer("train", *BASE, *DROPOUT, f"run_dir={run_dir}")
-    assert "resumed from" in p.stdout
+    out = _here("train", *BASE, *DROPOUT, f"run_dir={run_dir}")  # the rerun: same bits here
+    assert "resumed from" in out
     assert _bitwise_equal(run_dir, uninterrupted_w1)
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if r["kind"] == "train"]
     assert steps == list(range(1, 70))  # history has one record per step, none repeated
@@ -109,16 +120,10 @@ def test_kills_during_background_writes_leave_the_previous_checkpoint_newest(
 def test_resume_on_another_world_size_continues_the_same_curve(uninterrupted_w2, tmp_path, world):
     run_dir = tmp_path / "run"
     src = uninterrupted_w2 / "checkpoints" / "step-000000030"
-    p = trainer(
-        "train",
-        *BASE,
-        "model.kwargs.delay=0",
-        f"run_dir={run_dir}",
-        f"ckpt.resume={src}",
-        nproc=None if world == 1 else world,
-        torchrun=False,  # about the numbers, not the launcher
-    )
-    assert "world size 2 -> " + str(world) in p.stdout
+    args = ("train", *BASE, "model.kwargs.delay=0", f"run_dir={run_dir}", f"ckpt.resume={src}")
+    # about the numbers, not the launcher: in this process, or its ranks without torchrun
+    out = _here(*args) if world == 1 else trainer(*args, nproc=world, torchrun=False).stdout
+    assert "world size 2 -> " + str(world) in out
     ref, got = train_losses(uninterrupted_w2), train_losses(run_dir)
     assert sorted(got) == list(range(31, 70))
     for step, loss in got.items():
