@@ -212,3 +212,37 @@ def test_digits_read_from_the_shipped_csv_equal_sklearns_loader():
     x, y = load_digits()
     rx, ry = reference(return_X_y=True)
     assert x.shape == (1797, 64) and (x == rx).all() and (y == ry).all()
+
+
+def test_imagefolder_decodes_jpegs_with_torchvision_io_and_others_with_pil(tmp_path, monkeypatch):
+    """JPEGs go through torchvision.io (docs/benchmarks.md: 1.5x PIL here at 224 px), PIL's draft
+    mode when at least twice the size asked for; PNG and the "pil" decoder through PIL. Every
+    path gives the same picture (the test image is smooth: a few grey levels apart at most)."""
+    from PIL import Image
+
+    from trainer.datasets.folder import FolderDataset
+
+    smooth = np.asarray(Image.linear_gradient("L").resize((48, 40)).convert("RGB"))
+    for name, mode in (("a.jpg", "RGB"), ("b.png", "RGB"), ("c.jpg", "CMYK")):
+        Image.fromarray(smooth).convert(mode).save(tmp_path / name, quality=95)
+    calls = []
+    original = FolderDataset._torchvision
+    monkeypatch.setattr(
+        FolderDataset, "_torchvision", lambda s, d: calls.append(1) or original(s, d)
+    )
+
+    def decoded(name, size, decoder="auto"):
+        ds = FolderDataset([str(tmp_path / name)], [0], size, None, None)
+        ds.decoder = decoder
+        calls.clear()
+        x = ds.decode(0)
+        assert x.shape == (3, size, size) and x.dtype == torch.uint8
+        return x.float(), len(calls)
+
+    pil, used = decoded("a.jpg", 24, "pil")
+    assert used == 0
+    for name, size, tv in (("a.jpg", 24, 1), ("a.jpg", 16, 0), ("b.png", 24, 0), ("c.jpg", 24, 1)):
+        x, used = decoded(name, size)
+        assert used == tv, (name, size)
+        if size == 24:
+            assert (x - pil).abs().mean() < 4, name

@@ -344,3 +344,76 @@ def test_a_resume_on_other_kernels_is_refused_in_one_line(tmp_path, capsys):
     code = cli.main(["train", *args[:-2], "train.epochs=2", "repro.world_invariant=false",
                      f"run_dir={tmp_path}"])  # fmt: skip
     assert code == 0, capsys.readouterr().err  # without the promise, it resumes
+
+
+# --- shards grouped into one backward pass ------------------------------------------------------
+
+
+class _Gated(torch.nn.Module):
+    """A linear layer, a dropout, and a parameter only shards whose first label is even use (a
+    gradient missing from some shards must enter the tree as zeros, -0.0 included)."""
+
+    def __init__(self, hidden_only=False):
+        super().__init__()
+        self.fc, self.drop = torch.nn.Linear(64, 10), torch.nn.Dropout(0.2)
+        self.gate = torch.nn.Parameter(torch.full((10,), -0.0))
+        self.outside = [self.fc.weight] if hidden_only else None  # reached past the module
+
+    def forward(self, x):
+        x = x.flatten(1)
+        out = self.drop(self.fc(x))
+        if self.outside is not None:
+            out = out + x @ self.outside[0].t() * 0.5
+        return out + self.gate if bool(x[0, 0] > 0) else out
+
+
+def _steps(micro: int, grouped: bool, model_kwargs=None, world: int = 1) -> dict:
+    """Weights after 3 world-invariant steps of _Gated on the digits (rank 0 of `world`)."""
+    from trainer import data, optim, tasks
+    from trainer.invariant import ShardedGradients
+    from trainer.step import TrainStep, make_scaler
+
+    cfg = config.load(None, [f"train.micro_batch_size={micro or 'null'}", "optim.name=sgd"])
+    spec = data.build(cfg.data, 0, "cpu")
+    torch.manual_seed(0)
+    model = _Gated(**(model_kwargs or {}))
+    opt = optim.build_optimizer(cfg.optim, model.parameters())
+    step = TrainStep(
+        cfg=cfg.train, model=model, optimizer=opt, task=tasks.build(cfg.task, spec),
+        scheduler=optim.build_scheduler(cfg.sched, opt, 10, 10), scaler=make_scaler(cfg.train, "cpu"),
+    )  # fmt: skip
+    step.shards = ShardedGradients(model, rank=0, world_size=world, shards=8, grouped=grouped)
+    backwards = []
+    original = torch.autograd.backward
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            torch.autograd, "backward", lambda *a, **k: backwards.append(1) or original(*a, **k)
+        )
+        for i, n in enumerate((64, 64, 5)):  # the last: 3 of the 8 shards empty
+            count = n * world  # rank 0's share of a global batch of n * world samples
+            step(spec.train.take(torch.arange(i * 64, i * 64 + n)), count, i)
+    return {"state": {k: v.clone() for k, v in model.state_dict().items()},
+            "backwards": len(backwards), "grouped": step.shards.grouped}  # fmt: skip
+
+
+def test_a_shards_gradient_does_not_depend_on_how_many_shards_its_backward_pass_holds():
+    """Groups of 8, 4, 2 and 1 shards per backward pass (micro_batch_size 0, 32, 16, 8: whole
+    shards of 8 samples), and the shard-by-shard loop: the same bits (dropout, a parameter
+    some shards do not use, empty shards)."""
+    loop = _steps(0, grouped=False)
+    assert loop["backwards"] == 8 + 8 + 5  # one per non-empty shard
+    # Autograd calls: groups of up to `micro` samples (the last step's shards hold 1 sample).
+    for micro, calls in ((0, 1 + 1 + 1), (32, 2 + 2 + 1), (16, 4 + 4 + 1), (8, 8 + 8 + 1)):
+        got = _steps(micro, grouped=True)
+        assert got["grouped"] and got["backwards"] == calls, (micro, got["backwards"])
+        for name, t in loop["state"].items():
+            assert torch.equal(got["state"][name], t), (micro, name)
+
+
+def test_a_model_reaching_its_parameters_past_its_modules_falls_back_to_the_same_bits():
+    loop = _steps(0, grouped=False, model_kwargs={"hidden_only": True})
+    with pytest.warns(UserWarning, match="each shard runs its own backward pass"):
+        got = _steps(0, grouped=True, model_kwargs={"hidden_only": True})
+    assert not got["grouped"]
+    for name, t in loop["state"].items():
+        assert torch.equal(got["state"][name], t), name

@@ -268,8 +268,9 @@ def _train_step(cfg, world, strategy, model, task, per_epoch: int, total: int) -
     )
     if isinstance(strategy, WorldInvariant):
         step.shards = ShardedGradients(
-            model, rank=world.rank, world_size=world.size, shards=strategy.shards
-        )
+            model, rank=world.rank, world_size=world.size, shards=strategy.shards,
+            grouped=not (cfg.train.compile or cfg.train.activation_checkpointing),
+        )  # fmt: skip
     return step
 
 

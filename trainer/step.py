@@ -109,13 +109,22 @@ class TrainStep:
 
     def _backward(self, batch, factor: float) -> torch.Tensor:
         """Forward, summed loss, backward of loss x factor (scaled for fp16); the summed loss."""
+        root, local = self._loss(batch, factor)
+        root.backward()
+        return local
+
+    def _loss(self, batch, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and summed loss: (loss x factor, scaled for fp16: what backward runs on;
+        the summed loss, detached)."""
         with self._autocast():
             self.forward_s.start()
             out = forward(self.task, self.model, batch)
             self.forward_s.stop()
             local = checked_loss(self.task, self.task.loss(out, batch))
-        self.scaler.scale(local * factor).backward()
-        return local.detach()
+        return self.scaler.scale(local * factor), local.detach()
+
+    def _loss_for(self, terms: int):
+        return lambda piece: self._loss(piece, 1.0 / terms)
 
     def _autocast(self):
         """bf16/fp16 autocast; no context at all in fp32 (a disabled autocast still costs ~30 us
@@ -129,18 +138,26 @@ class TrainStep:
         """Each of this rank's shards on its own, then the fixed tree over all shards; the same
         bits for every world size dividing repro.shards (trainer/invariant.py)."""
         shards = self.shards
-        shards.begin()
         mine = [(k, *shards.bounds(k, global_count)) for k in shards.shards_here()]
         pieces = lambda: [batches.cut(batch, lo, hi) for _, lo, hi in mine]  # noqa: E731
         terms = self._global_terms(global_count, pieces, index)
-        for k, lo, hi in mine:
-            shards.start_shard()
-            local = torch.zeros((), dtype=torch.float32, device=self.device)
-            if hi > lo:  # an empty shard (a tail batch smaller than the shards) adds zeros
-                seed_shard(self.seed, index, k, self.device)
-                for chunk in self._chunks(batches.cut(batch, lo, hi)):
-                    local += self._backward(chunk, 1.0 / terms)
-            shards.end_shard(local)
+        micro, widest = self.cfg.micro_batch_size, max(hi - lo for _, lo, hi in mine)
+        whole = not micro or widest <= micro  # each shard's gradient is one backward pass
+        # Whole shards go through one backward pass per group (of at most micro samples).
+        group = max(1, micro // max(widest, 1)) if micro else len(mine)
+        seed = lambda k: seed_shard(self.seed, index, k, self.device)  # noqa: E731
+        grouped = whole and shards.grouped
+        cuts = [(k, batches.cut(batch, lo, hi) if hi > lo else None) for k, lo, hi in mine]
+        if not (grouped and shards.run_grouped(cuts, group, self._loss_for(terms), seed)):
+            shards.begin(fold=whole)
+            for k, lo, hi in mine:
+                shards.start_shard()
+                local = torch.zeros((), dtype=torch.float32, device=self.device)
+                if hi > lo:  # an empty shard (a tail batch smaller than the shards) adds zeros
+                    seed(k)
+                    for chunk in self._chunks(batches.cut(batch, lo, hi)):
+                        local += self._backward(chunk, 1.0 / terms)
+                shards.end_shard(local)
         losses = shards.combine()
         self._update()
         # Rank 0 carries the whole step's loss and the others zero, so the loop's sum over

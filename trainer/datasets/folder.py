@@ -9,6 +9,7 @@ on the device.
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 
@@ -46,20 +47,24 @@ class FolderDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
+    decoder = "auto"
+    """"auto": JPEGs through torchvision.io.decode_jpeg and a tensor resize (1.5x PIL's rate
+    at 224 px from 500 x 375 here: docs/benchmarks.md), PIL's draft mode for a JPEG at least
+    twice the size asked for, PIL for every other format; "pil": PIL for all (bench/loader.py)."""
+
     def decode(self, i: int) -> torch.Tensor:
         """One image as uint8 (3, size, size)."""
-        from PIL import Image, ImageOps
+        from PIL import Image
 
         path = self.files[i]
         try:
             with warnings.catch_warnings():
                 # PIL only warns between MAX_IMAGE_PIXELS and twice that; both are refused here.
                 warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(path) as img:
-                    img = ImageOps.fit(
-                        img.convert("RGB"), (self.size, self.size), Image.Resampling.BILINEAR
-                    )
-                    hwc = np.asarray(img, dtype=np.uint8)
+                with open(path, "rb") as f:
+                    data = f.read()
+                with Image.open(io.BytesIO(data)) as img:  # the header only: size, format
+                    return self._decoded(img, data)
         except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
             raise UsageError(
                 f"data.name=imagefolder: {path} is too large to decode safely ({first_line(e)}): "
@@ -71,7 +76,31 @@ class FolderDataset(torch.utils.data.Dataset):
                 f"data.name=imagefolder: cannot decode {path} ({type(e).__name__}: "
                 f"{first_line(e)}): remove or replace the file"
             ) from None
-        return torch.from_numpy(hwc.copy()).permute(2, 0, 1)
+
+    def _decoded(self, img, data: bytes) -> torch.Tensor:
+        """Centre crop to a square and resize to size x size (ImageOps.fit), as uint8 CHW."""
+        from PIL import Image, ImageOps
+
+        jpeg = img.format == "JPEG" and self.decoder == "auto"
+        if jpeg and min(img.size) < 2 * self.size:
+            try:
+                return self._torchvision(data)
+            except RuntimeError:  # a JPEG libjpeg-turbo's torchvision build refuses: PIL's turn
+                pass
+        elif jpeg:  # the decoder scales by 1/2, 1/4 or 1/8 while decoding: less to decode
+            img.draft("RGB", (self.size, self.size))
+        img = ImageOps.fit(img.convert("RGB"), (self.size, self.size), Image.Resampling.BILINEAR)
+        return torch.from_numpy(np.asarray(img, dtype=np.uint8).copy()).permute(2, 0, 1)
+
+    def _torchvision(self, data: bytes) -> torch.Tensor:
+        from torchvision.io import ImageReadMode, decode_jpeg
+        from torchvision.transforms.v2 import functional as tf
+
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        x = decode_jpeg(raw, mode=ImageReadMode.RGB)
+        side = min(x.shape[-2:])
+        x = tf.center_crop(x, [side, side])
+        return tf.resize(x, [self.size, self.size], antialias=True).contiguous()
 
     def __getitem__(self, i: int):
         return self.decode(i), self.y[i]
