@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example test test-quick test-image test-slurm test-mlflow lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -82,6 +82,13 @@ example: setup  ## the user project examples/ratings (own data, model, loss) on 
 	@test -f $(EXAMPLE_DATA)/ratings/train.csv || PYTHONPATH=examples/ratings $(BIN)/python -m ratings.prepare $(EXAMPLE_DATA)
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node=$(NPROC) \
 		examples/ratings/train.py dist.device=$(TRAIN_DEVICE) data.root=$(EXAMPLE_DATA) $(ARGS)
+
+# docs/finetuning.md: LeNet pre-trained on digits 0-4, fine-tuned on 5-9 four ways (frozen
+# backbone, full, LoRA, scratch; ~30 s), then the byte GPT pre-trained on the standard library's
+# code and fine-tuned on its pydoc topics (full, LoRA, scratch; ~2 min of CPU): tables and PNGs in OUT.
+finetune: setup  ## the fine-tuning examples (digits 0-4 -> 5-9; stdlib code -> prose) -> runs/finetune
+	OMP_NUM_THREADS=1 $(BIN)/python -m examples.finetune $(or $(OUT),runs/finetune)
+	OMP_NUM_THREADS=1 $(BIN)/python -m examples.finetune.gpt $(or $(OUT),runs/finetune)
 
 # Two workers (tests/conftest.py: shared runs stay on one worker), then the tests marked
 # `serial` (bounds in time) in a pass of their own, as alone on the machine as they can be.

@@ -16,7 +16,7 @@ LAYERS = [
     "checkpoint.writer tracking.sender",
     "tracking.mlflow_rest",
     "tracking.wandb_sink",
-    "exitstatus envvars registry gpt perf invariant rundir report runlock orphans",
+    "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params",
     "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
@@ -28,10 +28,11 @@ LAYERS = [
     "checkpoint.store",  # the on-disk format
     "checkpoint.sharded",
     "checkpoint.weights",
-    "checkpoint.resume",
+    "checkpoint.init",  # ckpt.init_weights matched to the model (fine-tuning)
+    "checkpoint.resume lora",
     "checkpoint.manager",
     "run",
-    "guards",
+    "guards finetune",
     "loop dryrun",
     "train",
     "script cli",

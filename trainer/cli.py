@@ -117,6 +117,17 @@ def _add_export_command(sub) -> None:
         "src", help="a run directory, checkpoint directory, or .pt/.pth/.safetensors file"
     )
     p.add_argument("-o", "--out", help="output directory (default: SRC/export, or FILE-export)")
+    p.add_argument(
+        "--format",
+        choices=("plain", "hf-gpt2"),
+        default="plain",
+        help="plain: our names (default); hf-gpt2: a Hugging Face GPT-2 folder (model.name=gpt)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: fold the adapters into the base weights (ckpt.init_weights)",
+    )
     p.set_defaults(func=_cmd_export)
 
 
@@ -300,7 +311,14 @@ def _cmd_export(args) -> int:
     from trainer.checkpoint.weights import export
 
     startup.settle()
-    print(f"exported {export(args.src, args.out)}")
+    merged = None
+    if args.merge:
+        from trainer import finetune
+
+        def merged():
+            return finetune.merged_weights(args.src)
+
+    print(f"exported {export(args.src, args.out, args.format, merged)}")
     return ExitCode.OK
 
 

@@ -7,10 +7,22 @@ from dataclasses import dataclass
 
 import torch
 
+from trainer import params as _params
+from trainer import registry
 from trainer.config import OptimConfig, SchedConfig
+from trainer.errors import UsageError
+
+
+def build(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer of a (wrapped) model: its trainable parameters in optim.groups' groups
+    (params.param_groups), by optim.name: a built-in or a plug-in factory."""
+    return build_optimizer(cfg, _params.param_groups(cfg, model.named_parameters()))
 
 
 def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
+    """optim.name's optimizer over `params` (parameters, or parameter-group dicts)."""
+    if ":" in cfg.name:
+        return _plugin(cfg, params)
     if cfg.name == "sgd":
         return torch.optim.SGD(
             params,
@@ -21,6 +33,28 @@ def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
         )
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
     return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+
+
+def _plugin(cfg: OptimConfig, params) -> torch.optim.Optimizer:
+    """optim.name=package.module:factory, called as factory(params, <the optim.* keys its
+    signature names: lr, weight_decay, betas, momentum, nesterov>, **optim.kwargs); it returns a
+    torch.optim.Optimizer, whose state_dict the checkpoints save and a resume loads."""
+    fn = registry.factory("optim.name", cfg.name)
+    offered = {
+        "params": params,
+        "lr": cfg.lr,
+        "weight_decay": cfg.weight_decay,
+        "betas": tuple(cfg.betas),
+        "momentum": cfg.momentum,
+        "nesterov": cfg.nesterov,
+    }
+    optimizer = registry.call_with("optim.name", cfg.name, fn, offered, dict(cfg.kwargs))
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UsageError(
+            f"optim.name: '{cfg.name}' returned a {type(optimizer).__name__}, not a "
+            "torch.optim.Optimizer: return one (its state_dict is what checkpoints save)"
+        )
+    return optimizer
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,19 @@ TASKS: dict[str, str] = {
     "model_loss": "trainer.tasks:model_loss",
 }
 
-_TABLES = {"data.name": DATASETS, "model.name": MODELS, "task.name": TASKS, "--tokenizer": {}}
+OPTIMIZERS: dict[str, str] = {  # built by trainer.optim itself; plug-ins come through here
+    "sgd": "torch.optim:SGD",
+    "adam": "torch.optim:Adam",
+    "adamw": "torch.optim:AdamW",
+}
+
+_TABLES = {
+    "data.name": DATASETS,
+    "model.name": MODELS,
+    "task.name": TASKS,
+    "optim.name": OPTIMIZERS,
+    "--tokenizer": {},
+}
 
 
 def check(key: str, name: str) -> None:

@@ -7,12 +7,14 @@ model, and a GPU-saved file loads on the CPU. `export` writes what loads with sa
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
 import torch
 from torch import nn
 
+from trainer import hf
 from trainer.checkpoint import store
 from trainer.errors import UsageError, io_error
 from trainer.state import fit_problem, non_finite
@@ -58,12 +60,17 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     Tensors come back on the CPU whatever device saved them; load_state_dict then copies them
     to wherever the model lives (a GPU checkpoint loads on CPU or on another GPU index).
     """
+    if path.endswith(".index.json") and os.path.isfile(path):
+        return _finite(_read_files(hf.index_files(path)), path)
     if os.path.isdir(path):
         checkpoint = _checkpoint_at(path)
         if checkpoint is not None and store.is_sharded(checkpoint):
             from trainer.checkpoint import sharded
 
             return _finite(sharded.read_model(checkpoint), checkpoint)
+        if checkpoint is None and hf.is_folder(path):  # a Hugging Face folder, maybe sharded
+            hf.check_gpt2_config(path)
+            return _finite(_read_files(hf.weight_files(path)), path)
         folder = checkpoint or os.path.join(path, "final")
         if not os.path.isfile(os.path.join(folder, "model.safetensors")):
             raise UsageError(
@@ -73,6 +80,11 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         path = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such weights file or directory")
+    return _finite(_read_file(path), path)
+
+
+def _read_file(path: str) -> dict[str, torch.Tensor]:
+    """One weights file (.safetensors, else a torch.save'd state_dict), prefixes stripped."""
     if path.endswith(".safetensors"):
         state = store.read_safetensors(path)
     else:
@@ -83,7 +95,20 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
                 break
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise UsageError(f"{path}: does not hold a state_dict of tensors")
-    return _finite(strip_prefixes(state), path)
+    return strip_prefixes(state)
+
+
+def _read_files(paths: list[str]) -> dict[str, torch.Tensor]:
+    """The shards of one state dict, merged (a name in two shards is refused)."""
+    state: dict[str, torch.Tensor] = {}
+    for path in paths:
+        part = _read_file(path)
+        if twice := sorted(state.keys() & part.keys()):
+            raise UsageError(
+                f"{path}: holds {twice[0]} again (another shard has it): fix the index"
+            )
+        state.update(part)
+    return state
 
 
 def _finite(state: dict[str, torch.Tensor], path: str) -> dict[str, torch.Tensor]:
@@ -111,6 +136,11 @@ def load_weights_into(
     differs from the config saved with the weights."""
     state = read_weights(path)
     problem = fit_problem(model, state)
+    if problem and any(".lora_A." in k for k in state):
+        raise UsageError(
+            f"{path}: holds LoRA adapters (optim.lora_targets), not a whole model: merge them "
+            f"into their base weights first (trainer export {path} --merge -o OUT), then use OUT"
+        )
     if problem:
         raise UsageError(
             f"{path}: weights do not fit model ({problem}): {config_hint(path, model_cfg)}"
@@ -177,8 +207,11 @@ def find_config(src: str) -> str | None:
     return None
 
 
-def export(src: str, out: str | None = None) -> str:
-    """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict.
+def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) -> str:
+    """Plain safetensors from a run dir, checkpoint, or any .pt/.pth/.safetensors state_dict;
+    fmt="hf-gpt2": a Hugging Face GPT-2 folder (config.json + model.safetensors) of a
+    model.name=gpt run. `merged`: a callable giving the weights instead of reading them
+    (`--merge`: LoRA adapters folded into their base weights).
 
     Checked in the order a user reads the command: the source exists, the output may be
     written, the weights are whole and finite; nothing is written until all three hold."""
@@ -199,14 +232,21 @@ def export(src: str, out: str | None = None) -> str:
             else os.path.splitext(src)[0] + "-export"
         )
     _check_out(out)  # before reading: a bad -o fails at once
-    state = read_weights(src)
+    state = merged() if merged else read_weights(src)
     config = find_config(src)
+    hf_config = _hf_gpt2(state, config) if fmt == "hf-gpt2" else None
+    if hf_config:
+        state = hf.to_gpt2(state)
     try:
         with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
             store.save_safetensors(
                 {k: v.contiguous() for k, v in state.items()},
                 os.path.join(tmp, "model.safetensors"),
+                {"format": "pt"},
             )
+            if hf_config:
+                with open(os.path.join(tmp, "config.json"), "w") as f:
+                    json.dump(hf_config, f, indent=2)
             if config:
                 shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
     except OSError as e:
@@ -214,7 +254,27 @@ def export(src: str, out: str | None = None) -> str:
     return os.path.join(out, "model.safetensors")
 
 
-EXPORTED = {"model.safetensors", "config.yaml"}
+EXPORTED = {"model.safetensors", "config.yaml", "config.json"}
+
+
+def _hf_gpt2(state: dict, config: str | None) -> dict:
+    """The config.json of a GPT-2 folder for our GPT's weights (heads: the run's config.yaml)."""
+    if "tok.weight" not in state or "pos.weight" not in state:
+        raise UsageError(
+            "export --format hf-gpt2: these weights are not a model.name=gpt model's (no "
+            "tok.weight/pos.weight): export them without --format"
+        )
+    heads = None
+    if config:
+        from omegaconf import OmegaConf
+
+        heads = OmegaConf.select(OmegaConf.load(config), "model.gpt.heads")
+    if not heads:
+        raise UsageError(
+            "export --format hf-gpt2: no config.yaml beside the weights says model.gpt.heads: "
+            "export a run or checkpoint directory"
+        )
+    return hf.gpt2_config(state, int(heads))
 
 
 def _is_export(path: str) -> bool:

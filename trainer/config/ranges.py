@@ -80,6 +80,8 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": Range(0.0, 10.0),
     "optim.momentum": Range(0.0, 1.0, hi_open=True),
     "optim.betas": Range(0.0, 1.0, hi_open=True),
+    "optim.lora_rank": Range(1, 4096),
+    "optim.lora_alpha": Range(0.0, 1e6, lo_open=True),
     "sched.warmup_steps": Range(0, _STEPS),
     "sched.step_size_epochs": Range(1, 10**6),
     "sched.gamma": Range(0.0, 1.0, lo_open=True),

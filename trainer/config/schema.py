@@ -233,28 +233,74 @@ class TaskConfig:
 
 @dataclass(kw_only=True)
 class OptimConfig:
-    """The optimizer (one parameter group)."""
+    """The optimizer and what it trains: frozen parameters, parameter groups, weight decay."""
 
     name: str = "adamw"
-    """sgd | adam | adamw."""
+    """sgd | adam | adamw, or `package.module:factory` called with the parameter groups and the
+    keys of optim.* its signature names (lr, weight_decay, betas, momentum, nesterov), then
+    optim.kwargs; it returns a torch.optim.Optimizer (docs/finetuning.md)."""
     lr: float = 1e-3
     """Peak learning rate."""
     weight_decay: float = 0.0
-    """L2 penalty (sgd, adam) or decoupled weight decay (adamw), on every parameter."""
+    """L2 penalty (sgd, adam) or decoupled weight decay (adamw), on every parameter (see
+    optim.decay)."""
     momentum: float = 0.9
     """SGD momentum."""
     nesterov: bool = False
     """SGD: Nesterov momentum."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam/AdamW betas."""
+    decay: str = "all"
+    """all: weight_decay on every parameter (the presets' numbers) | no_bias_norm: none on
+    biases and norm weights (every 1-d parameter), nanoGPT's and fine-tuning recipes' rule."""
+    freeze: str = ""
+    """Comma-separated glob patterns of parameter names not to train (e.g. 'tok.*,blocks.0.*'):
+    requires_grad off before wrapping, so they are left out of the optimizer and of the
+    gradient all-reduce and stay bitwise unchanged. A pattern matching nothing is refused."""
+    groups: dict[str, Any] = field(default_factory=dict)
+    """Parameter groups by name pattern: optim.groups.NAME={params: 'GLOB,...', lr_mult: 10,
+    weight_decay: 0.0}; lr_mult scales optim.lr (default 1), weight_decay replaces optim's.
+    Parameters no group names train with optim.lr. Groups may not overlap."""
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for a plug-in optimizer factory (optim.name=pkg.mod:factory)."""
+    lora_targets: str = ""
+    """LoRA (pip install 'repro-trainer[finetune]', Hugging Face PEFT): comma-separated glob
+    patterns of the Linear/Conv/Embedding module names that get adapters (e.g.
+    'blocks.*.attn.qkv'). Only the adapters train and are checkpointed. Empty: no LoRA."""
+    lora_also_train: str = ""
+    """With LoRA: comma-separated glob patterns of parameters that train in full beside the
+    adapters (a new head, e.g. 'fc3.*'), checkpointed with them."""
+    lora_rank: int = 8
+    """LoRA rank r."""
+    lora_alpha: float = 16.0
+    """LoRA alpha (the adapter's output is scaled by alpha / r)."""
 
     def __post_init__(self) -> None:
-        check_choice("optim.name", self.name, ("sgd", "adam", "adamw"))
+        if ":" not in self.name:
+            check_choice("optim.name", self.name, ("sgd", "adam", "adamw"))
+        elif not all(self.name.partition(":")[::2]):
+            raise UsageError(f"optim.name: '{self.name}' must look like 'package.module:factory'")
+        check_choice("optim.decay", self.decay, ("all", "no_bias_norm"))
         check_fields(self, "optim.")
+        for name, group in self.groups.items():
+            _check_group(name, group)
         if len(self.betas) != 2:
             raise UsageError(
                 f"optim.betas: needs two values like [0.9,0.999], got {_number_text(self.betas)}"
             )
+
+
+def _check_group(name: str, group: Any) -> None:
+    """optim.groups.NAME: a mapping of params (globs), lr_mult and weight_decay only."""
+    key = f"optim.groups.{name}"
+    if not isinstance(group, dict) or not group.get("params"):
+        raise UsageError(f"{key}: needs params, e.g. {key}={{params: [head.*], lr_mult: 10}}")
+    if other := sorted(set(group) - {"params", "lr_mult", "weight_decay"}):
+        raise UsageError(f"{key}.{other[0]}: unknown; a group has params, lr_mult, weight_decay")
+    for k in ("lr_mult", "weight_decay"):
+        v = group.get(k, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise UsageError(f"{key}.{k}: needs a number >= 0, got {v!r}")
 
 
 @dataclass(kw_only=True)
@@ -455,11 +501,30 @@ class CkptConfig:
     resume: str = "auto"
     """auto (newest checkpoint in `dir` that verifies) | never | PATH (a checkpoint or run dir)."""
     init_weights: str | None = None
-    """Start from these weights (.safetensors/.pt/.pth; `module.`/`_orig_mod.` prefixes are
-    stripped) when not resuming. Weights only: the optimizer and loop start fresh."""
+    """Start from these weights when not resuming (a resume continues its own run): a run or
+    checkpoint dir, .safetensors/.pt/.pth/.bin (`module.`/`_orig_mod.` prefixes stripped, any
+    saving device), a sharded `*.index.json`, or a Hugging Face model folder. Weights only: the
+    optimizer and loop start fresh (docs/finetuning.md)."""
+    init_convert: str = "auto"
+    """auto (a Hugging Face GPT-2 layout into model.name=gpt is converted) | none | hf_gpt2."""
+    init_rename: dict[str, str] = field(default_factory=dict)
+    """Key renames {REGEX: REPLACEMENT}, each applied to every source key in turn (after the
+    conversion; re.sub), e.g. ckpt.init_rename='{^encoder\\.: backbone.}'."""
+    init_exclude: str = ""
+    """Comma-separated glob patterns of (renamed) keys not to load, e.g. 'fc.*' for a new head:
+    the model's tensors they match keep their fresh initialisation, even under init_strict."""
+    init_strict: bool = True
+    """Every model tensor (bar the excluded) loaded, nothing left over, every shape equal. false:
+    load what fits and print one table (loaded / missing / unexpected / shape-mismatched)."""
 
     def __post_init__(self) -> None:
         check_fields(self, "ckpt.")
+        check_choice("ckpt.init_convert", self.init_convert, ("auto", "none", "hf_gpt2"))
+        for pattern in self.init_rename:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise UsageError(f"ckpt.init_rename: '{pattern}' is not a regex ({e})") from None
 
 
 @dataclass(kw_only=True)
