@@ -7,6 +7,7 @@
     python bench/bench.py --suite ckpt           # checkpoint stall per save: background vs blocking
     python bench/bench.py --suite sweep          # GPT cost against width (4 sizes), world 1 and 2
     python bench/bench.py --suite headline       # GPT-2-small MFU and more on a GPU (headline.py)
+    python bench/bench.py --suite parallel --reps 1   # pp=2, tp=2, FSDP: memory, bubble (parallel.py)
 
 Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
 hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
@@ -435,9 +436,23 @@ GPU_RATIOS = [
 ]
 
 
+INVARIANT_ROWS = (
+    "trainer, 1 process",
+    "trainer, 2 processes (DDP, gloo)",
+    "trainer, 1 process, world_invariant",
+    "trainer, 2 processes, world_invariant",
+)
+
+
+def invariant_rows() -> list[Row]:
+    """The CPU suite's world_invariant rows and the plain rows they are divided by, alone."""
+    return [r for r in cpu_rows() if r.name in INVARIANT_ROWS]
+
+
 SUITES = {  # suite -> (its rows, its ratios, the base overrides its FLOPs are counted on)
     "gpu": (gpu_rows, GPU_RATIOS, GPU_BASE),
     "cpu": (cpu_rows, CPU_RATIOS, CPU_BASE),
+    "invariant": (invariant_rows, CPU_RATIOS, CPU_BASE),
     "ckpt": (ckpt_rows, CKPT_RATIOS, CKPT_BASE),
     "sweep": (sweep_rows, sweep_ratios(), SWEEP_BASE),
 }
@@ -1030,12 +1045,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--suite",
-        choices=("auto", "cpu", "gpu", "ckpt", "sweep", "headline"),
+        choices=(
+            "auto",
+            "cpu",
+            "gpu",
+            "ckpt",
+            "sweep",
+            "headline",
+            "parallel",
+            "invariant",
+            "loader",
+        ),
         default="auto",
         help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes); "
         "sweep: GPT cost against width at world 1 and 2; headline: GPT-2-small MFU, checkpoint "
         "stall, world_invariant and ResNet-50's data wait on one GPU, once each "
-        "(bench/headline.py; --quick: tiny sizes on the CPU)",
+        "(bench/headline.py; --quick: tiny sizes on the CPU); parallel: memory per rank, "
+        "pipeline bubble and throughput of pp=2, tp=2 and dp=2 against world 1 (bench/parallel.py); "
+        "invariant: the CPU suite's world_invariant rows and their plain rows alone; loader: the "
+        "image-folder loader against a bare torchvision ImageFolder + DataLoader (bench/loader.py)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")
@@ -1061,6 +1089,21 @@ def main(argv: list[str] | None = None) -> int:
         extra += [a for name in args.row or () for a in ("--row", name)]
         extra += ["--note", args.note] if args.note else []
         return headline.main(["--out", args.out, *extra])
+    if args.suite == "parallel":  # model parallel, its own rows: bench/parallel.py
+        if args.only:
+            parser.error("--only: the parallel suite takes --row NAME")
+        import parallel
+
+        extra = ["--quick"] if args.quick else []
+        extra += [a for name in args.row or () for a in ("--row", name)]
+        extra += ["--note", args.note] if args.note else []
+        return parallel.main(["--out", args.out, "--reps", str(args.reps), *extra])
+    if args.suite == "loader":  # in-process DataLoaders, its own rows: bench/loader.py
+        import loader
+
+        extra = ["--quick"] if args.quick else []
+        extra += ["--note", args.note] if args.note else []
+        return loader.main(["--out", args.out, "--reps", str(args.reps), *extra])
     if args.row and args.suite != "auto":  # a mistyped name must not write an empty result
         names = {r.name for r in SUITES[args.suite][0]()}
         if unknown := [n for n in args.row if n not in names]:

@@ -197,3 +197,64 @@ def test_the_bare_loop_trains_the_gpt_the_nanogpt_way(capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(out["windows"]) == 2 and all(w > 0 for w in out["windows"])
     assert out["world_size"] == 1 and out["first_step_time"] > 0
+
+
+def test_the_invariant_suite_is_the_cpu_suites_world_invariant_rows_and_their_ratios():
+    names = [r.name for r in bench.SUITES["invariant"][0]()]
+    assert names == list(bench.INVARIANT_ROWS)
+    summaries = {n: bench.summarize([1.0]) for n in names}
+    assert set(bench.ratios(summaries, bench.SUITES["invariant"][1])) == {
+        "world_invariant / plain, world 1",
+        "world_invariant / plain, world 2",
+        "MLP world 2 / world 1, trainer",
+    }
+
+
+def test_the_loader_suite_end_to_end_quick(tmp_path):
+    """bench/loader.py at tiny sizes: every row measured, both ratios, the JSON written."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "loader", "--quick"]
+    p = subprocess.run(
+        [*cmd, "--reps", "1", "--out", str(tmp_path)], capture_output=True, text=True
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads((tmp_path / "loader-tiny-cpu.json").read_text())
+    assert [r["name"] for r in report["rows"]] == [
+        "trainer image folder, torchvision.io decoder",
+        "trainer image folder, PIL decoder",
+        "bare torchvision ImageFolder + DataLoader (PIL), uint8",
+        "bare torchvision ImageFolder + DataLoader (PIL), ToTensor + Normalize",
+    ]
+    assert all(r["median"] > 0 for r in report["rows"])
+    assert report["ratios"]["image folder: trainer / bare loader, per worker"]["target"] == 1.0
+
+
+def _quoted(section: str) -> dict[str, list[str]]:
+    """The first cell -> the other cells of each table row in a docs/benchmarks.md section."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    start = text.index(section)
+    end = text.find("\n#", start + len(section))
+    rows = [line.strip("|").split("|") for line in text[start:end].splitlines()]
+    return {c[0].strip().strip("`"): [x.strip() for x in c[1:]] for c in rows if len(c) > 2}
+
+
+@pytest.mark.parametrize(
+    "section, result",
+    [
+        ("### world_invariant, measured here", "invariant-cpu.json"),
+        ("### The image-folder loader, measured here", "loader-cpu.json"),
+    ],
+)
+def test_the_docs_quote_the_committed_invariant_and_loader_results(section, result):
+    report = json.loads((ROOT / "bench" / "results" / result).read_text())
+    quoted = _quoted(section)
+    checked = 0
+    for r in report["rows"]:
+        fmt = "{:,.0f}" if r["median"] >= 100 else "{:,.1f}"
+        spread = f"{fmt.format(r['min'])}-{fmt.format(r['max'])}"
+        assert quoted[r["name"]][:2] == [fmt.format(r["median"]), spread], r["name"]
+        checked += 1
+    for name, r in report["ratios"].items():
+        spread = f"{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}"
+        assert quoted[name][:2] == [f"{r['value']:.3f}", spread], name
+        checked += 1
+    assert checked == len(report["rows"]) + len(report["ratios"])
