@@ -14,17 +14,19 @@ LAYERS = [
     "trainer checkpoint datasets errors batch sampler results signals noise startup metrics "
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
     "checkpoint.writer tracking.sender",
-    "tracking.mlflow_rest",
+    "tracking.mlflow_rest parallel parallel.layout",
     "tracking.wandb_sink",
     "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params",
     "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
     "repro optim models tasks data ranks",
+    "parallel.mesh",
     "datasets.synthetic datasets.tabular datasets.vision datasets.text datasets.arrays strategy "
     "tracking.tracker",
     "datasets.folder datasets.tokens evaluate doctor tracking",
     "state step",  # the Stateful parts; one optimizer step
+    "parallel.pipeline parallel.tensor",
     "checkpoint.store",  # the on-disk format
     "checkpoint.sharded",
     "checkpoint.weights",

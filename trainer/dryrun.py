@@ -67,7 +67,12 @@ def _last_batch_step(run: Run, plan) -> dict:
     """One training step on the epoch's last, smallest batch, where an uneven tail would crash."""
     world = run.world
     last = len(plan) - 1
-    index, batch, count = next(data.train_batches(run.data, plan, world.rank, world.size, last))
+    if run.mesh.layout.pp > 1 and run.total_steps < len(plan):
+        last = run.total_steps - 1  # a pipeline never reaches a tail it could not split
+    mesh = run.mesh
+    index, batch, count = next(
+        data.train_batches(run.data, plan, mesh.data_rank, mesh.data_size, last)
+    )
     started = time.perf_counter()
     loss = run.step(batch, count)
     loss = ranks.all_reduce_sum(loss.double()).item()
@@ -85,6 +90,11 @@ def _last_batch_step(run: Run, plan) -> dict:
     }
 
 
+def _split_forward(run: Run):
+    """A split model's evaluation forward (the pipeline's), None for a whole one."""
+    return getattr(run.step, "eval_forward", None)
+
+
 def _eval_batch(run: Run) -> dict:
     """One evaluation batch per rank through the task's metrics and summarize (their contract,
     checked on real batches), added over the ranks as an evaluation adds them: what summarize
@@ -93,11 +103,14 @@ def _eval_batch(run: Run) -> dict:
     started = time.perf_counter()
     net = unwrap(run.model).eval()
     with torch.no_grad():
-        stream = data.eval_batches(run.data, run.cfg.data.eval_batch_size, world.rank, world.size)
+        mesh, size = run.mesh, run.cfg.data.eval_batch_size
+        stream = data.eval_batches(run.data, size, mesh.data_rank, mesh.data_size)
         first = next(stream, None)
-        found = [] if first is None else [batch_sums(net, run.task, first)]
+        sums = None if first is None else batch_sums(net, run.task, first, _split_forward(run))
+        found = [] if sums is None else [sums]
     net.train()
-    n = 0 if first is None else batches.size(first)
+    n = 0 if sums is None or not mesh.contributes else batches.size(first)
+    found = found if mesh.contributes else []
     counts = ranks.all_reduce_sum(torch.tensor([n], dtype=torch.float64, device=world.device))
     return {
         "global_samples": int(counts.item()),

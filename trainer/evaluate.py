@@ -21,6 +21,8 @@ def evaluate(
     batch: int,
     *,
     whole_batches: bool = False,
+    mesh=None,
+    model_forward=None,
 ) -> dict:
     """The task's metrics over the whole test split, each sample counted once across ranks.
 
@@ -36,11 +38,15 @@ def evaluate(
     net = unwrap(model)  # no DDP forward: evaluation needs no gradient sync
     was_training = net.training
     net.eval()
+    rank, size = (mesh.data_rank, mesh.data_size) if mesh else (world.rank, world.size)
     found = [
-        batch_sums(net, task, b)
-        for b in data.eval_batches(spec, batch, world.rank, world.size, whole=whole_batches)
+        batch_sums(net, task, b, model_forward)
+        for b in data.eval_batches(spec, batch, rank, size, whole=whole_batches)
     ]
     net.train(was_training)
+    # A pipeline stage before the last has no output; a tensor-parallel rank but the first
+    # holds a copy of its replica's: only the rank whose metrics count adds them.
+    found = [f for f in found if f is not None and (mesh is None or mesh.contributes)]
     # A rank without batches learns the names from the others.
     names = ranks.first_of_ranks(found[0][0] if found else None)
     if names is None:
@@ -90,9 +96,13 @@ def _summary(task: Task, names, totals: torch.Tensor) -> dict:
     return result
 
 
-def batch_sums(net, task: Task, b) -> tuple[tuple[str, ...], dict, int]:
-    """(metric names, {name: (sum, count)}, samples) of one batch."""
-    sums = checked_metrics(task, task.metrics(forward(task, net, b), b))
+def batch_sums(net, task: Task, b, model_forward=None) -> tuple[tuple[str, ...], dict, int] | None:
+    """(metric names, {name: (sum, count)}, samples) of one batch. `model_forward`: a split
+    model's forward (the output on the rank whose metrics count, None elsewhere)."""
+    out = forward(task, net, b) if model_forward is None else model_forward(b)
+    if out is None:
+        return None
+    sums = checked_metrics(task, task.metrics(out, b))
     return tuple(sums), sums, batches.size(b)
 
 

@@ -30,13 +30,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.qkv(x).split(c, dim=2)
-        # (B, T, C) -> (B, heads, T, C / heads)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        qkv = self.qkv(x)
+        # This rank's width and heads: all of them, or 1/tp under tensor parallelism (its heads).
+        width = qkv.shape[-1] // 3
+        heads = self.heads * width // c
+        q, k, v = qkv.split(width, dim=2)
+        # (B, T, width) -> (B, heads, T, C / self.heads)
+        q, k, v = (z.view(b, t, heads, width // heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )
-        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return self.proj(y.transpose(1, 2).reshape(b, t, width))
 
 
 class Block(nn.Module):
@@ -83,16 +87,28 @@ class GPT(nn.Module):
 
     def shard_units(self) -> list[nn.Module]:
         """The blocks: what FSDP shards one by one and activation checkpointing recomputes."""
-        return list(self.blocks)
+        return list(_layers(self.blocks))
+
+    def pipeline_layers(self) -> str:
+        """The container of the layers that pipeline stages split (dist.mesh=pp=N): each stage
+        keeps a run of blocks, the first also the embeddings, the last ln_f and the head. A
+        stage's forward skips what it does not hold (None), so one forward serves them all."""
+        return "blocks"
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """(B, T) byte tokens -> (B, T, vocab) next-token logits."""
-        t = idx.shape[1]
-        pos = torch.arange(t, device=idx.device)
-        x = self.drop(self.tok(idx) + self.pos(pos))  # (B, T, C)
-        for block in self.blocks:
+        """(B, T) byte tokens -> (B, T, vocab) next-token logits (a pipeline stage: its part)."""
+        x = idx
+        if self.tok is not None:
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.tok(idx) + self.pos(pos))  # (B, T, C)
+        for block in _layers(self.blocks):
             x = block(x)
-        return self.head(self.ln_f(x))
+        return x if self.head is None else self.head(self.ln_f(x))
+
+
+def _layers(container: nn.Module):
+    """The blocks in order: a ModuleList's, or a pipeline stage's ModuleDict (original indices)."""
+    return container.values() if isinstance(container, nn.ModuleDict) else container
 
 
 def gpt(

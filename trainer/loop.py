@@ -123,7 +123,7 @@ def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: Stop
     """The steps of this epoch from run.state on, each followed by what falls due after it."""
     cfg, state = run.cfg, run.state
     batches = data.train_batches(
-        run.data, plan, run.world.rank, run.world.size, state.step_in_epoch
+        run.data, plan, run.mesh.data_rank, run.mesh.data_size, state.step_in_epoch
     )
     for _, batch, count in clock.timed(batches):  # batches are on the device already
         losses.add(run.step(batch, count, state.step), count)
@@ -257,6 +257,8 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
             run.world,
             run.cfg.data.eval_batch_size,
             whole_batches=run.cfg.repro.world_invariant,
+            mesh=run.mesh,
+            model_forward=getattr(run.step, "eval_forward", None),
         )
         run.results.record_eval(result, run.state.step)
         metrics = {f"eval.{k}": v for k, v in result.items()}

@@ -12,16 +12,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, models, optim, perf, ranks, repro, sampler, tasks
+from trainer import data, lora, models, optim, perf, ranks, repro, sampler, tasks
+from trainer.checkpoint.init import load_init
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.resume import Resume
 from trainer.checkpoint.weights import load_weights_into
-from trainer.config import Config, TrainConfig
+from trainer.config import Config, TrainConfig, layout_of
 from trainer.diagnostics import ForwardTimer, Stragglers, Watchdog, Where
 from trainer.errors import ConfigError, UsageError
 from trainer.evaluate import evaluate
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
+from trainer.parallel import mesh as meshes
+from trainer.parallel import pipeline, tensor
 from trainer.ranks import World
 from trainer.results import Results
 from trainer.signals import StopSignal
@@ -74,6 +77,8 @@ class Run:
     """time.time() when `trainer train` began."""
     resumed: Resume | None = None
     """The checkpoint the run continues from (None: a fresh start)."""
+    mesh: meshes.Mesh
+    """dp x pp x tp: which slice of the data this rank reads and whether its loss counts."""
     watchdog: Watchdog
     """Names a stall (trainer/diagnostics/); train starts it when training starts."""
     stragglers: Stragglers | None = None
@@ -180,14 +185,23 @@ def build(
     """Data, task, model, wrapping, optimizer and schedule, then the resume (or a fresh start):
     the Run, complete."""
     plugins = plugins or Plugins()
+    mesh = meshes.build(world, layout_of(cfg, world.size))  # dp x pp x tp (pure dp: no DeviceMesh)
+    strategy.dp_mesh = mesh.sub("dp")
+    if mesh.layout.tp > 1:  # the model's tensor-parallel plan, then the dp strategy, wraps it
+        strategy = tensor.TensorParallel(strategy, mesh)
     spec, task, model = inputs(cfg, world.device, plugins)
     flops, peak = _flops(cfg, world, spec, task, model)
-    model = _wrap(cfg, world, strategy, model)
+    model = lora.prepare(cfg.optim, model, cfg.ckpt)  # what trains
     per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
     total = total_steps(cfg.train, per_epoch)
+    if mesh.layout.pp > 1:
+        pipeline.check_tail(len(spec.train), cfg, mesh, reached=total >= per_epoch)
+        strategy, model = _pipelined(cfg, world, mesh, strategy, model)
+    else:
+        model = _wrap(cfg, world, strategy, model)
     if isinstance(strategy, WorldInvariant):
         _check_shards_fit_batchnorm(cfg, model, len(spec.train))
-    step = _train_step(cfg, world, strategy, model, task, per_epoch, total)
+    step = _train_step(cfg, world, strategy, model, task, (per_epoch, total), mesh)
     log = RunLogger(
         main=world.is_main, progress=cfg.log.progress, total_steps=total, epochs=cfg.train.epochs
     )
@@ -207,7 +221,7 @@ def build(
     hosts = ranks.gather_objects((world.node_rank, repro.hostname()))
     return Run(
         cfg=cfg, world=world, strategy=strategy, data=spec, task=task, step=step, ckpt=ckpt,
-        log=log, stop=stop, state=parts.loop, results=parts.results, resumed=resumed,
+        log=log, stop=stop, state=parts.loop, results=parts.results, resumed=resumed, mesh=mesh,
         steps_per_epoch=per_epoch, total_steps=total, started=started, flops_per_sample=flops,
         peak_flops=peak, watchdog=_watchdog(cfg, world), hosts=hosts,
         stragglers=Stragglers(world.size) if world.is_main else None, folder_chosen=folder_chosen,
@@ -249,18 +263,38 @@ def _wrap(cfg: Config, world: World, strategy: Strategy, model: torch.nn.Module)
     return model
 
 
-def _train_step(cfg, world, strategy, model, task, per_epoch: int, total: int) -> TrainStep:
+def _pipelined(cfg: Config, world: World, mesh, strategy: Strategy, model: torch.nn.Module):
+    """dist.mesh with pp: the model laid out, its layers checkpointed, split into this rank's
+    stages (each wrapped by the dp strategy); the Pipelined strategy and the stages' view."""
+    model = layout(model, cfg.train)
+    if cfg.train.activation_checkpointing:
+        checkpoint_activations(model)
+    pipe = pipeline.build(model, mesh, cfg.dist.pp_schedule, strategy, world)
+    return pipeline.Pipelined(strategy, pipe), pipe.view
+
+
+def _train_step(cfg, world, strategy, model, task, steps: tuple, mesh) -> TrainStep:
     """The optimizer (built after wrapping: FSDP's must see the sharded parameters), schedule,
-    scaler and, under repro.world_invariant, the shard gradients, in one TrainStep."""
-    optimizer = optim.build_optimizer(cfg.optim, model.parameters())
-    step = TrainStep(
+    scaler and, under repro.world_invariant, the shard gradients, in one TrainStep (a
+    PipelineStep under pp). `steps`: (per epoch, in total)."""
+    per_epoch, total = steps
+    optimizer = optim.build(cfg.optim, model)  # trainable parameters, optim.groups
+    kind, extra = TrainStep, {}
+    if isinstance(strategy, pipeline.Pipelined):
+        local = cfg.data.global_batch_size // mesh.data_size
+        micro = cfg.train.micro_batch_size or max(1, local // strategy.pipe.split.n)
+        extra = {"pipe": strategy.pipe, "data_size": mesh.data_size, "micro_batch": micro}
+        kind = pipeline.PipelineStep
+    step = kind(
+        **extra,
         cfg=cfg.train,
         model=model,
         optimizer=optimizer,
         scheduler=optim.build_scheduler(cfg.sched, optimizer, per_epoch, total),
         scaler=make_scaler(cfg.train, world.device),
         task=task,
-        world_size=world.size,
+        world_size=mesh.data_size,
+        contributes=mesh.contributes,
         device=world.device,
         strategy=strategy,
         seed=cfg.seed,
@@ -275,11 +309,14 @@ def _train_step(cfg, world, strategy, model, task, per_epoch: int, total: int) -
 
 
 def _fresh_start(cfg: Config, parts: Parts, log: RunLogger) -> None:
-    """No checkpoint to resume: ckpt.init_weights if set, then each rank's own RNG stream."""
-    if cfg.ckpt.init_weights:
+    """No checkpoint to resume: ckpt.init_weights if set (matched by ckpt.init_*), then each
+    rank's own RNG stream."""
+    if cfg.ckpt.init_weights and not cfg.optim.lora_targets:  # LoRA: loaded beneath the adapters
         model = parts.model
-        load_weights_into(model.model, cfg.ckpt.init_weights, model.strategy, cfg.model)
+        report = load_init(model.model, cfg.ckpt, model.strategy, cfg.model)
         log.info(f"initial weights from {cfg.ckpt.init_weights}")
+        if not cfg.ckpt.init_strict or report.converted or report.excluded:
+            log.info(report.table())
     parts.rng.fresh()
 
 

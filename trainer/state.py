@@ -81,32 +81,42 @@ class ModelState:
         # Looked at once, as built: FSDP2 leaves a root's parameters unsharded after a forward
         # with no backward (an evaluation), so asking later could give another answer on the
         # next save, and rank 0 alone would gather.
-        self.sharded = any(hasattr(p, "to_local") for p in model.parameters())
+        self.sharded = any(hasattr(p, "to_local") for p in model.parameters()) or getattr(
+            strategy, "splits_model", False
+        )
         """Whether this rank holds only shards of the weights (DTensors, as under fsdp): then no
-        rank can write the whole model alone."""
+        rank can write the whole model alone; or a model split into pipeline stages)."""
 
     @property
     def layout(self) -> str:
         """How the weights are spread (the strategy's name): recorded in meta.json."""
         return self.strategy.name
 
-    def state_dict(self) -> dict:
+    def state_dict(self, flat: bool = True) -> dict:
         """{"model", "optim"} in torch.distributed.checkpoint's form: keyed by parameter name,
         this rank's shards where sharded (DCP imports in ~1 s: called for sharded saves only)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-        model_state, optim_state = get_state_dict(unwrap(self.model), self.optimizer)
-        return {"model": model_state, "optim": optim_state}
+        # Flattened: one key per parameter, param groups included, so any layout (another pp
+        # split, a whole model) finds each parameter's state by its name. `flat=False`: the
+        # form sharded checkpoints had before meshes (meta.json without "optimizer_keys").
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        model_state, optim_state = get_state_dict(
+            unwrap(self.model), self.optimizer, options=options
+        )
+        return {"model": model_state, "optim": self.strategy.canonical(optim_state)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Load what state_dict gave (filled in by DCP), whatever layout and world size saved it."""
-        from torch.distributed.checkpoint.state_dict import set_state_dict
+    def load_state_dict(self, state: dict, flat: bool = True) -> None:
+        """Load what state_dict(flat) gave (filled in by DCP), whatever layout and world size
+        saved it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
         set_state_dict(
             unwrap(self.model),
             self.optimizer,
             model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
+            optim_state_dict=self.strategy.canonical(state["optim"], back=True),
+            options=StateDictOptions(flatten_optimizer_state_dict=flat),
         )
 
     def whole_state_dict(self) -> dict:
@@ -120,6 +130,7 @@ class ModelState:
     def load_whole_state_dict(self, state: dict) -> None:
         """Load what whole_state_dict gave (every rank passes all of it); StateMismatch names the
         part that does not fit."""
+        state = {**state, "model": self.strategy.select(state["model"])}
         if problem := fit_problem(self.model, state["model"]):
             raise StateMismatch("model", problem)
         self.strategy.load_state_dict(self.model, state["model"])
@@ -146,7 +157,7 @@ class ScheduleState:
     def __init__(self, scheduler, scaler: torch.amp.GradScaler):
         self.scheduler, self.scaler = scheduler, scaler
 
-    def state_dict(self) -> dict:
+    def state_dict(self, flat: bool = True) -> dict:
         return {"scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -173,7 +184,7 @@ class LoopState:
     """Optimizer steps done in the current epoch."""
     samples_seen: int = 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self, flat: bool = True) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:

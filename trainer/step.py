@@ -65,6 +65,9 @@ class TrainStep:
     """Seeds each shard's dropout (with the step and shard index) under repro.world_invariant."""
     forward_s: ForwardTimer = field(default_factory=lambda: ForwardTimer("cpu"))
     """This rank's forward time (straggler accounting: trainer/diagnostics/stragglers.py)."""
+    contributes: bool = True
+    """Whether this rank's loss counts (trainer/parallel/mesh.py): under tp every rank of a
+    replica computes the same loss, and only its first returns it and counts its terms."""
 
     def _chunks(self, batch) -> list:
         return batches.split(batch, self.cfg.micro_batch_size)
@@ -92,7 +95,7 @@ class TrainStep:
                 local = self._backward(chunk, self.world_size / terms)
             total = local if total is None else total + local
         self._update()
-        return total / terms
+        return total / terms if self.contributes else torch.zeros_like(total)
 
     def _global_terms(self, global_count: int, pieces, index: int) -> int:
         """Loss terms in the whole global batch: from the sample count for a task with a fixed
@@ -100,6 +103,7 @@ class TrainStep:
         per_sample = self.task.terms_per_sample
         if per_sample is not None:
             return global_count * per_sample
+        pieces = pieces if self.contributes else list
         local = sum(checked_count(self.task, self.task.count(p)) for p in pieces())
         total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
         terms = int(ranks.all_reduce_sum(total).item())
@@ -169,7 +173,7 @@ class TrainStep:
         """Clip, step (skipped on an fp16 overflow), update the loss scale, advance the lr."""
         if self.cfg.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.clip_grad_norm)
+            self._clip()
         if not self.scaler.is_enabled():
             self.optimizer.step()
             self.scheduler.step()
@@ -188,6 +192,11 @@ class TrainStep:
                 "ignore", message=re.escape("Detected call of `lr_scheduler.step()`")
             )
             self.scheduler.step()
+
+    def _clip(self) -> None:
+        """Clip the global gradient norm to train.clip_grad_norm (a split model: its own)."""
+        clip = getattr(self.strategy, "clip_grad_norm", torch.nn.utils.clip_grad_norm_)
+        clip(self.model.parameters(), self.cfg.clip_grad_norm)
 
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:

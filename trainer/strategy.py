@@ -28,6 +28,9 @@ class Strategy:
     name = "none"
     needs_group = False
     """A process group even for one process."""
+    dp_mesh = None
+    """The data-parallel dimension of a model-parallel run's mesh (a 1-D DeviceMesh), which
+    DDP and FSDP then span; None: the whole world (pure data parallelism)."""
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         return model
@@ -59,6 +62,15 @@ class Strategy:
         """Where a step's time went, as the wrapper itself measured it (None: not measured)."""
         return None
 
+    def select(self, state: dict) -> dict:
+        """This rank's entries of a whole model's state dict (all of them: it holds the model)."""
+        return state
+
+    def canonical(self, optim_state: dict, back: bool = False) -> dict:
+        """A flattened optimizer state dict under the whole model's parameter names (`back`:
+        from them to this rank's); the same names here."""
+        return optim_state
+
 
 _DDP_TIMES = {  # DDP's own averages over its sampled iterations, in ns
     "forward_ms": "avg_forward_compute_time",
@@ -83,7 +95,8 @@ class DDP(Strategy):
             model = convert_sync_bn(model, world.device)
         ids = [world.local_rank] if world.on_cuda else None
         # DDP broadcasts rank 0's parameters at construction, so every rank starts identical.
-        return DistributedDataParallel(model, device_ids=ids)
+        group = None if self.dp_mesh is None else self.dp_mesh.get_group()
+        return DistributedDataParallel(model, device_ids=ids, process_group=group)
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
         return model.no_sync()
@@ -133,7 +146,7 @@ class FSDP(Strategy):
             fully_shard,
         )
 
-        mesh = init_device_mesh(torch.device(world.device).type, (world.size,))
+        mesh = self.dp_mesh or init_device_mesh(torch.device(world.device).type, (world.size,))
         dtype = _MP_DTYPES.get(self.precision)
         policy = MixedPrecisionPolicy(
             param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None
@@ -157,11 +170,13 @@ class FSDP(Strategy):
     def full_state_dict(self, model: nn.Module, world: World | None = None) -> dict | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        # cpu_offload keeps the whole weights on global rank 0 only; a model split over a mesh
+        # needs them on each stage's dp rank 0, so there every rank gathers its stage's.
+        options = StateDictOptions(full_state_dict=True, cpu_offload=self.dp_mesh is None)
         state = get_model_state_dict(model, options=options)  # all-gathers; rank 0 keeps it
         if world is not None and not world.is_main:
             return None
-        return {k: v.contiguous().clone() for k, v in state.items()}
+        return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
     def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -220,16 +235,17 @@ def choose(cfg: Config, world: World) -> Strategy:
 
     Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
     """
-    from trainer.config import resolve_strategy
+    from trainer.config import layout_of, resolve_strategy
 
     name = resolve_strategy(cfg, world.size, on_cuda=world.on_cuda)
+    dp = layout_of(cfg, world.size).dp
     if cfg.repro.world_invariant:
         return WorldInvariant(name, cfg.repro.shards)
     if name == "fsdp":
         return FSDP(cfg.train.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
     if name == "dp":
         return DataParallel()
-    if name == "ddp" and world.distributed:
+    if name == "ddp" and dp > 1:
         return DDP(sync_bn=cfg.model.sync_bn)
     return Strategy()
 

@@ -243,9 +243,10 @@ class Checkpointer:
             if store.is_sharded(path):
                 from trainer.checkpoint import sharded
 
-                state = model.state_dict()
+                flat = payload["meta"].get("optimizer_keys") == "flat"  # older: nested
+                state = model.state_dict(flat)
                 sharded.load(state, path)
-                model.load_state_dict(state)
+                model.load_state_dict(state, flat)
             else:
                 model.load_whole_state_dict(
                     {"model": payload["model"], "optimizer": payload["optimizer"]}
@@ -426,6 +427,7 @@ class Checkpointer:
             "meta": {
                 "loop": p.loop.state_dict(),
                 "format": fmt,
+                **({"optimizer_keys": "flat"} if fmt == "sharded" else {}),
                 "strategy": p.model.layout,
                 "reason": str(reason),
                 "world_size": self.world.size,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from trainer.checkpoint import store
 from trainer.checkpoint.weights import flatten
+from trainer.config import Config, to_dict
 from trainer.errors import ConfigError, UsageError, first_line
 
 RESUMABLE_CHANGES = (
@@ -51,10 +52,17 @@ def schedule_changes(saved: dict, current: dict) -> dict[str, list]:
 def config_conflicts(saved: dict, current: dict) -> list[str]:
     """'key: saved -> current' for every change a resume cannot honour exactly."""
     a, b = flatten(saved), flatten(current)
+    defaults = flatten(to_dict(Config()))
     diffs = []
+    # LoRA reloads its frozen base from ckpt.init_* at every start: another base is another run.
+    base = ("ckpt.init_",) if b.get("optim.lora_targets") else ()
     for key in sorted(a.keys() | b.keys()):
-        if key.startswith(RESUMABLE_CHANGES) or a.get(key) == b.get(key):
+        if a.get(key) == b.get(key):
             continue
+        if key.startswith(RESUMABLE_CHANGES) and not key.startswith(base):
+            continue
+        if key not in a and b.get(key) == defaults.get(key):
+            continue  # a key added since the save, at its default: what the saving version did
         diffs.append(f"{key}: {a.get(key)!r} -> {b.get(key)!r}")
     return diffs
 

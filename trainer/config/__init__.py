@@ -12,6 +12,7 @@ explain.py  `trainer config explain`: each key's docstring (read from schema.py)
 from trainer.config.load import load, presets, to_dict, to_yaml
 from trainer.config.ranges import MAX_SEED, NONEMPTY, RANGES, Range
 from trainer.config.rules import check_world_size, resolve_strategy
+from trainer.config.rules import layout as layout_of
 from trainer.config.schema import (
     DEFAULT_PRESET,
     ArraysConfig,
@@ -67,6 +68,7 @@ __all__ = [
     "WandbConfig",
     "check_world_size",
     "example",
+    "layout_of",
     "load",
     "presets",
     "range_hint",

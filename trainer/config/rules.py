@@ -6,6 +6,95 @@ from __future__ import annotations
 
 from trainer.config.schema import Config
 from trainer.errors import ConfigError, UsageError
+from trainer.parallel.layout import Layout, parse
+
+
+def layout(cfg: Config, world_size: int) -> Layout:
+    """The mesh dist.mesh asks for on `world_size` ranks (its product checked against them)."""
+    return parse(cfg.dist.mesh, world_size)
+
+
+def _check_model_parallel(cfg: Config, name: str, lay: Layout) -> None:
+    """What cannot compose with a split model (pp or tp), one line each."""
+    mesh = f"dist.mesh={cfg.dist.mesh}"
+    if name == "dp":
+        raise ConfigError(
+            f"{mesh} splits the model over processes, but dist.strategy=dp is single-process "
+            "nn.DataParallel: use dist.strategy=ddp or fsdp for the data-parallel dimension"
+        )
+    if cfg.repro.world_invariant:
+        raise ConfigError(
+            f"repro.world_invariant=true sums whole-replica shard gradients in a fixed tree; with "
+            f"{mesh} the model is split, which it does not do yet: set repro.world_invariant=false "
+            "(pipeline parallelism alone already gives one process's bits: docs/training.md)"
+        )
+    if lay.tp > 1 and name == "ddp" and lay.dp > 1:
+        raise ConfigError(
+            f"{mesh}: DDP cannot all-reduce tensor-parallel (DTensor) parameters: set "
+            "dist.strategy=fsdp for the data-parallel dimension (FSDP2 composes with tp)"
+        )
+    if cfg.train.compile:
+        raise ConfigError(
+            f"train.compile=true is not supported with {mesh} yet (the stages are compiled "
+            "separately by nothing here): set train.compile=false"
+        )
+    if cfg.model.sync_bn:
+        raise ConfigError(f"model.sync_bn=true does not compose with {mesh}: set it to false")
+    if lay.tp > 1:
+        _check_tensor_parallel(cfg, lay)
+
+
+def _check_tensor_parallel(cfg: Config, lay: Layout) -> None:
+    """What tp needs: whole heads on each tp rank, no pp with it yet, replicated activations
+    that stay the same on every tp rank (no dropout: each rank draws its own masks)."""
+    mesh = f"dist.mesh={cfg.dist.mesh}"
+    if lay.pp > 1:
+        raise ConfigError(
+            f"{mesh}: pipeline and tensor parallelism together (pp x tp) are not supported yet: "
+            "use pp or tp (each composes with dp)"
+        )
+    if cfg.optim.lora_targets:
+        raise ConfigError(
+            f"{mesh}: optim.lora_targets wraps Linear layers in adapters, which the "
+            "tensor-parallel plan cannot split yet: leave optim.lora_targets empty, or drop tp"
+        )
+    if cfg.model.dropout:
+        raise ConfigError(
+            f"{mesh}: model.dropout={cfg.model.dropout} would draw different masks on the tp "
+            "ranks, whose activations between layers must stay the same: set model.dropout=0"
+        )
+    if cfg.model.name != "gpt":
+        return
+    heads = cfg.model.gpt.heads
+    if heads % lay.tp:
+        fits = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise ConfigError(
+            f"{mesh}: tp={lay.tp} does not divide model.gpt.heads={heads} (each tp rank holds "
+            f"whole heads, and width / tp of the width): use tp in {fits}, or model.gpt.heads "
+            f"a multiple of {lay.tp}"
+        )
+
+
+def _check_micro_batches(cfg: Config, lay: Layout) -> None:
+    """Under pp the rank's slice splits into equal micro-batches, at least one per stage."""
+    if lay.pp < 2:
+        return
+    local = cfg.data.global_batch_size // lay.dp
+    stages = lay.pp * (2 if cfg.dist.pp_schedule == "interleaved-1f1b" else 1)
+    micro = cfg.train.micro_batch_size or max(1, local // stages)
+    over = f" on each of {lay.dp} dp ranks" if lay.dp > 1 else ""
+    where = f"dist.mesh={cfg.dist.mesh} ({stages} pipeline stages{over})"
+    if local % micro:
+        raise ConfigError(
+            f"{where}: each data-parallel rank's {local} samples do not split into equal "
+            f"micro-batches of {micro}: set train.micro_batch_size to a divisor of {local}"
+        )
+    if local // micro < stages:
+        raise ConfigError(
+            f"{where}: {local // micro} micro-batch(es) per step leave(s) stages idle; a pipeline "
+            f"needs at least one per stage: set train.micro_batch_size <= {local // stages} or "
+            f"raise data.global_batch_size to at least {stages * micro * lay.dp}"
+        )
 
 
 def _check_world_invariant(cfg: Config, name: str, on_cuda: bool | None) -> None:
@@ -39,15 +128,18 @@ def resolve_strategy(cfg: Config, world_size: int, *, on_cuda: bool | None = Non
     The rules of trainer.strategy.choose, kept here (no torch) so `trainer config check` applies
     them too. Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
     """
+    lay = layout(cfg, world_size)
     name = cfg.dist.strategy
-    if name == "auto":
-        name = "ddp" if world_size > 1 else "none"
+    if name == "auto":  # tp's DTensor parameters need fsdp for the dp dimension
+        name = ("fsdp" if lay.tp > 1 else "ddp") if lay.dp > 1 else "none"
+    if lay.model_parallel:
+        _check_model_parallel(cfg, name, lay)
     if cfg.repro.world_invariant:
         _check_world_invariant(cfg, name, on_cuda)
-    if name == "none" and world_size > 1:
+    if name == "none" and lay.dp > 1:
         raise ConfigError(
-            f"dist.strategy=none cannot run on {world_size} ranks (each would train alone): "
-            "use dist.strategy=ddp or auto, or launch one process"
+            f"dist.strategy=none cannot run on {lay.dp} data-parallel ranks (each would train "
+            "alone): use dist.strategy=ddp or auto, or launch one process"
         )
     if name == "dp" and world_size > 1:
         raise ConfigError(
@@ -73,7 +165,8 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     repro.world_invariant the ranks must split the shards evenly too."""
     if world_size < 1:
         raise UsageError(f"--world-size: must be >= 1 (the ranks in the job), got {world_size}")
-    b, w = cfg.data.global_batch_size, world_size
+    lay = layout(cfg, world_size)
+    b, w = cfg.data.global_batch_size, lay.dp
     k = cfg.repro.shards
     if cfg.repro.world_invariant and k % w:
         fits = ", ".join(str(2**i) for i in range(k.bit_length()) if 2**i <= k)
@@ -89,3 +182,4 @@ def check_world_size(cfg: Config, world_size: int) -> None:
             f"data.global_batch_size={b} does not split over {w} ranks: "
             f"use a multiple of {w} (e.g. data.global_batch_size={suggestion})"
         )
+    _check_micro_batches(cfg, lay)

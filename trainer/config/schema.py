@@ -13,6 +13,7 @@ from typing import Any
 
 from trainer.config.ranges import NONEMPTY, PATHS, RANGES, path_problem
 from trainer.errors import ConfigError, UsageError, check_choice, shorten
+from trainer.parallel.layout import SCHEDULES
 
 DEFAULT_PRESET = "digits-mlp"
 
@@ -380,11 +381,20 @@ class DistConfig:
     <run_dir>/diagnostics/, one line names the rank that stalled and where, and the job exits 4
     (docs/troubleshooting.md, "When a job hangs"). null: 30x the slowest log window's mean step,
     at least 60 s; always below dist.timeout_s. 0: off. Evaluation and saves are not counted."""
+    mesh: str | None = None
+    """The device mesh, named sizes like dp=2,pp=2 or dp=2,tp=2 (dimensions dp, pp, tp; their
+    product is the world size; dp left out takes what remains). pp splits the model's layers
+    into pipeline stages, tp splits each layer's matrices; dist.strategy applies to dp. null:
+    data parallel only (docs/training.md, "Model parallel")."""
+    pp_schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved-1f1b (two stages per rank): the pipeline schedule under pp;
+    train.micro_batch_size is the pipeline's micro-batch (default: one per stage)."""
 
     def __post_init__(self) -> None:
         check_choice("dist.strategy", self.strategy, ("auto", "none", "ddp", "fsdp", "dp"))
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
+        check_choice("dist.pp_schedule", self.pp_schedule, SCHEDULES)
         check_fields(self, "dist.")
         if self.stall_s and self.stall_s >= self.timeout_s:
             raise UsageError(
