@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -106,6 +106,9 @@ test-image: setup  ## build docker/Dockerfile on a real engine, run compose (roo
 
 test-mlflow: setup  ## runs against a real `mlflow server` (its own venv, .venv/mlflow-server, built on first use; ~2 min)
 	$(BIN)/pytest -m mlflow tests/test_tracking.py $(PYTEST_ARGS)
+
+test-mesh: setup  ## the four-process model-parallel runs: dp=2 x pp=2 (DDP) and dp=2 x tp=2 (FSDP) against one process (~3 min)
+	$(BIN)/pytest -m world4 tests/test_parallel.py tests/test_tensor_parallel.py $(PYTEST_ARGS)
 
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
 	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)

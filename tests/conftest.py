@@ -59,7 +59,8 @@ def pytest_collection_modifyitems(config, items):
 
     GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
     (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`; so do the
-    Slurm-marked ones (a cluster of daemons, root): `make test-slurm`.
+    Slurm-marked ones (a cluster of daemons, root): `make test-slurm`, and the four-process
+    model-parallel runs (`world4`: 4 ranks on 2 cores, a minute or more each): `make test-mesh`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.
@@ -73,7 +74,8 @@ def pytest_collection_modifyitems(config, items):
         "image",
         "slurm",
         "mlflow",
-    ):  # their own targets: make test-image, test-slurm, test-mlflow
+        "world4",
+    ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh
         if not re.search(rf"(?<!not )\b{marker}\b", expr):
             chosen = [item for item in items if item.get_closest_marker(marker)]
             if chosen:

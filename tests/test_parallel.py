@@ -219,6 +219,7 @@ def test_pipeline_gives_one_process_bits_and_resumes_under_another_layout(one_pr
     assert all(torch.equal(weights(forth)[k], reference[k]) for k in reference)
 
 
+@pytest.mark.world4
 @pytest.mark.slow
 def test_pipeline_under_ddp_at_world_4_tracks_one_process(one_process, tmp_path):
     """dp=2 x pp=2 (DDP averages each stage's gradients over its dp pair): the curve tracks one

@@ -138,8 +138,8 @@ def resolve_strategy(cfg: Config, world_size: int, *, on_cuda: bool | None = Non
         _check_world_invariant(cfg, name, on_cuda)
     if name == "none" and lay.dp > 1:
         raise ConfigError(
-            f"dist.strategy=none cannot run on {lay.dp} data-parallel ranks (each would train "
-            "alone): use dist.strategy=ddp or auto, or launch one process"
+            f"dist.strategy=none cannot run on {lay.dp} ranks (each would train alone): "
+            "use dist.strategy=ddp or auto, or launch one process"
         )
     if name == "dp" and world_size > 1:
         raise ConfigError(
