@@ -32,6 +32,7 @@ TINY = [
     "ckpt.every_steps=2",
     "ckpt.async_save=false",
     "log.tensorboard=false",
+    "optim.decay=no_bias_norm",
 ]
 PRESET = ["--config", "stdlib-gpt"]
 
@@ -151,6 +152,66 @@ def test_a_model_that_cannot_be_split_is_one_line():
         pipeline.plan(Rooted(), 2)
 
 
+def _stepped(cfg, model):
+    """The optimizer optim.build makes for `model` after one step (some state to move)."""
+    from trainer import optim
+
+    opt = optim.build(cfg.optim, model)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) if p.requires_grad else None
+    opt.step()
+    return opt
+
+
+def test_a_whole_optimizer_state_loads_into_a_stage_group_by_group():
+    """A world-1 checkpoint numbers the optimizer's parameters group after group (here two
+    groups from optim.decay=no_bias_norm, and frozen parameters left out): the last stage's
+    optimizer gets each of its parameters' own state (the tied head's from tok.weight) and
+    each group's own settings."""
+    from trainer import optim, params
+    from trainer.strategy import Strategy
+
+    cfg = _cfg("optim.decay=no_bias_norm", "optim.weight_decay=0.1", "optim.freeze=pos.weight")
+    torch.manual_seed(0)
+    model = GPT(256, 16, 4, 32, 2)
+    params.freeze(model, cfg.optim.freeze)
+    whole = _stepped(cfg, model)
+    order = params.numbering(cfg.optim, model.named_parameters())
+    split = pipeline.plan(model, 2)
+    view = pipeline.piece(model, split, [1])
+    tied = pipeline.tied_weights(model, split)
+    pipe = pipeline.Pipe(split, mesh.Mesh(layout.Layout(pp=2)), [1], {}, view, order, tied, "1f1b")
+    strategy = pipeline.Pipelined(Strategy(), pipe, order)
+    mine = optim.build(cfg.optim, view, whole=order)
+    strategy.load_optimizer_state(view, mine, whole.state_dict())
+    assert [g["weight_decay"] for g in mine.param_groups] == [0.1, 0.0]
+    for name, p in view.named_parameters():
+        if not p.requires_grad:
+            continue
+        ours, theirs = mine.state[p], whole.state[p]  # the same Parameter objects
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name
+        g = next(g for g in mine.param_groups if any(q is p for q in g["params"]))
+        assert g["weight_decay"] == (0.0 if p.dim() < 2 else 0.1), name
+
+
+def test_a_whole_optimizer_state_is_named_as_its_optimizer_numbers_it():
+    """FSDP and tp load a whole checkpoint by parameter name: index i is the optimizer's i-th
+    parameter group after group, not the model's i-th parameter."""
+    from trainer import params
+    from trainer.strategy import _by_parameter_name
+
+    cfg = _cfg("optim.decay=no_bias_norm", "optim.freeze=pos.weight")
+    torch.manual_seed(0)
+    model = GPT(256, 16, 4, 32, 2)
+    params.freeze(model, cfg.optim.freeze)
+    opt = _stepped(cfg, model)
+    keyed = _by_parameter_name(model, opt, opt.state_dict())
+    by_name = dict(model.named_parameters())
+    assert "pos.weight" not in keyed["state"]
+    for name, state in keyed["state"].items():
+        assert torch.equal(state["exp_avg"], opt.state[by_name[name]]["exp_avg"]), name
+
+
 # --- runs ---------------------------------------------------------------------------------------
 
 
@@ -221,18 +282,41 @@ def test_pipeline_gives_one_process_bits_and_resumes_under_another_layout(one_pr
 
 @pytest.mark.world4
 @pytest.mark.slow
-def test_pipeline_under_ddp_at_world_4_tracks_one_process(one_process, tmp_path):
-    """dp=2 x pp=2 (DDP averages each stage's gradients over its dp pair): the curve tracks one
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_pipeline_under_data_parallelism_at_world_4_tracks_one_process(
+    strategy, one_process, tmp_path
+):
+    """dp=2 x pp=2 (each stage's gradients averaged over its dp pair; under fsdp the tied
+    embedding/head is whole on each rank and averaged by the pipeline): the curve tracks one
     process within rounding. No train.micro_batch_size: each rank's 16 samples are cut into one
     micro-batch per stage (8, as the reference's)."""
     run = tmp_path / "dppp"
-    args = [*PRESET, *TINY, "dist.mesh=dp=2,pp=2", "train.micro_batch_size=null"]
-    ranks("train", *args, f"run_dir={run}", nproc=4, timeout=300)
-    mine, ref = _losses(run), _losses(one_process)
+    args = [*PRESET, *TINY, "dist.mesh=dp=2,pp=2", f"dist.strategy={strategy}"]
+    ranks("train", *args, "train.micro_batch_size=null", f"run_dir={run}", nproc=4, timeout=300)
+    _within(run, one_process)
+
+
+def _within(run, reference_run, tol=1e-5) -> None:
+    mine, ref = _losses(run), _losses(reference_run)
     assert mine.keys() == ref.keys()
-    assert max(abs(mine[k] - ref[k]) for k in ref) < 1e-5
-    reference = weights(one_process)
-    assert max((weights(run)[k] - reference[k]).abs().max().item() for k in reference) < 1e-5
+    assert max(abs(mine[k] - ref[k]) for k in ref) < tol
+    reference = weights(reference_run)
+    assert max((weights(run)[k] - reference[k]).abs().max().item() for k in reference) < tol
+
+
+@pytest.mark.world4
+@pytest.mark.slow
+def test_pipeline_of_tensor_parallel_stages_tracks_one_process_and_resumes(one_process, tmp_path):
+    """pp=2 x tp=2: each stage's layers split over its tp pair (the tied embedding/head
+    replicated, its copies added by the pipeline); tracks one process within tp's rounding, and
+    its step-2 checkpoint resumes at world 1 to the same tolerance."""
+    run = tmp_path / "pptp"
+    out = ranks("train", *PRESET, *TINY, "dist.mesh=pp=2,tp=2", f"run_dir={run}", nproc=4).stdout
+    assert "(gloo, tp+pp)" in out
+    _within(run, one_process)
+    back = _resume_at_step_2(run, tmp_path / "back")
+    train_here("train", *TINY, f"run_dir={back}", config_file="stdlib-gpt")
+    _within(back, one_process)
 
 
 def test_a_tail_batch_a_pipeline_cannot_split_is_refused_before_work():
@@ -291,26 +375,16 @@ def test_a_key_added_since_a_save_at_its_default_is_no_conflict():
     assert config_conflicts(saved, to_dict(_cfg("optim.name=sgd")))
 
 
-USER = [
-    "data.name=synthetic", "data.synthetic.shape=[16]", "data.synthetic.num_classes=10",
-    "data.synthetic.size=256", "data.synthetic.test_size=64", "model.name=tests.test_parallel:DocsNet",
-    "data.global_batch_size=32", "train.micro_batch_size=8", "train.max_steps=3",
-    "log.every_steps=1", "log.progress=none", "log.tensorboard=false",
-]  # fmt: skip
-
-
 @pytest.mark.slow
-def test_a_user_model_in_fsdp_pipeline_stages_gives_one_process_bits(tmp_path):
-    """The docs' own model split by its pipeline_layers(), each stage sharded by FSDP2 over a
-    one-rank dp dimension: one process's weights, bit for bit."""
-    train_here("train", *USER, f"run_dir={tmp_path / 'one'}")
-    ranks(
-        "train",
-        *USER,
-        "dist.mesh=pp=2",
-        "dist.strategy=fsdp",
-        f"run_dir={tmp_path / 'pp'}",
-        nproc=2,
-    )
-    one, pp = weights(tmp_path / "one"), weights(tmp_path / "pp")
-    assert one.keys() == pp.keys() and all(torch.equal(one[k], pp[k]) for k in one)
+def test_fsdp_stages_resume_a_whole_checkpoint_to_one_process_bits(one_process, tmp_path):
+    """pp=2 with each stage sharded by FSDP2: the world-1 run's step-2 checkpoint (its optimizer
+    state numbered over two groups, optim.decay=no_bias_norm) resumes under it, and steps 3-4,
+    with clipping and the embedding/head tied across stages (left whole by FSDP), end on the
+    world-1 run's bits."""
+    run = _resume_at_step_2(one_process, tmp_path / "fsdp")
+    mesh_args = ["dist.mesh=pp=2", "dist.strategy=fsdp"]
+    out = ranks("train", *PRESET, *TINY, *mesh_args, f"run_dir={run}", nproc=2).stdout
+    assert "resum" in out.lower() and "fsdp+pp" in out
+    assert _losses(run) == _losses(one_process)
+    reference = weights(one_process)
+    assert all(torch.equal(weights(run)[k], reference[k]) for k in reference)

@@ -134,9 +134,9 @@ def test_clip_reduces_a_norm_over_every_dimension_a_gradient_is_sharded_on():
     fsdp_tp = SimpleNamespace(placements=(_StridedShard(0, split_factor=2), Shard(0)))
     fsdp_tp.device_mesh = mesh
     bias = SimpleNamespace(placements=(Shard(0), Replicate()), device_mesh=mesh)
-    assert tensor._sharded_groups(fsdp_tp) == ("group 0", "group 1")
-    assert tensor._sharded_groups(bias) == ("group 0",)
-    assert tensor._sharded_groups(torch.zeros(2)) == ()
+    assert tensor.sharded_groups(fsdp_tp) == ("group 0", "group 1")
+    assert tensor.sharded_groups(bias) == ("group 0",)
+    assert tensor.sharded_groups(torch.zeros(2)) == ()
 
 
 # --- the rules: one line, exit 2, before any work ----------------------------------------------
@@ -146,12 +146,11 @@ def test_clip_reduces_a_norm_over_every_dimension_a_gradient_is_sharded_on():
     "world, overrides, names",
     [
         (3, ["dist.mesh=tp=3"], "tp=3 does not divide model.gpt.heads=4"),
-        (4, ["dist.mesh=pp=2,tp=2"], "pp x tp) are not supported yet"),
         (2, ["dist.mesh=tp=2", "model.dropout=0.1"], "set model.dropout=0"),
         (4, ["dist.mesh=dp=2,tp=2", "dist.strategy=ddp"], "set dist.strategy=fsdp"),
         (2, ["dist.mesh=tp=2", "optim.lora_targets=blocks.*.fc"], "leave optim.lora_targets"),
     ],
-    ids=["heads", "pp-x-tp", "dropout", "ddp", "lora"],
+    ids=["heads", "dropout", "ddp", "lora"],
 )
 def test_bad_tensor_parallel_configs_get_one_line_and_exit_2(world, overrides, names):
     o = run_in_process(

@@ -13,10 +13,11 @@ from trainer.config import OptimConfig, SchedConfig
 from trainer.errors import UsageError
 
 
-def build(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
+def build(cfg: OptimConfig, model: torch.nn.Module, whole=None) -> torch.optim.Optimizer:
     """The optimizer of a (wrapped) model: its trainable parameters in optim.groups' groups
-    (params.param_groups), by optim.name: a built-in or a plug-in factory."""
-    return build_optimizer(cfg, _params.param_groups(cfg, model.named_parameters()))
+    (params.param_groups), by optim.name: a built-in or a plug-in factory. `whole`: the whole
+    model's trainable names, where `model` is a pipeline stage's part of it."""
+    return build_optimizer(cfg, _params.param_groups(cfg, model.named_parameters(), whole))
 
 
 def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:

@@ -73,33 +73,51 @@ def no_decay(name: str, param) -> bool:
     return param.dim() < 2
 
 
-def param_groups(cfg, named_parameters) -> list:
+def param_groups(cfg, named_parameters, whole=None) -> list:
     """The optimizer's parameter groups for OptimConfig `cfg`: trainable parameters only, by
     optim.groups (lr = optim.lr * lr_mult, their own weight_decay), each split into decaying
     and non-decaying parts under optim.decay=no_bias_norm. With none of these set, the plain
-    list of parameters (one group, as before)."""
+    list of parameters (one group, as before). `whole`: the names a group's patterns must match
+    one of (a pipeline stage holds part of the model; default: `named_parameters`' own)."""
     named = [(plain_name(n), p) for n, p in named_parameters if p.requires_grad]
-    groups = dict(cfg.groups)
-    if not groups and cfg.decay == "all":
+    if not cfg.groups and cfg.decay == "all":
         return [p for _, p in named]
-    for g, spec in groups.items():
-        if not any(matches(n, patterns(spec["params"])) for n, _ in named):
+    check_groups(cfg, [n for n, _ in named] if whole is None else whole)
+    return [{"params": [p for _, p in members], **spec} for spec, members in _grouped(cfg, named)]
+
+
+def check_groups(cfg, names) -> None:
+    """Every optim.groups entry matches one of the trainable `names`, or one line."""
+    for g, spec in dict(cfg.groups).items():
+        if not any(matches(n, patterns(spec["params"])) for n in names):
             raise UsageError(
                 f"optim.groups.{g}: params {patterns(spec['params'])} match no trainable parameter "
                 "(frozen ones do not count): fix the patterns"
             )
+
+
+def numbering(cfg, named_parameters) -> list[str]:
+    """The trainable parameters' names in the order torch's optimizer state_dict numbers them
+    (group after group): what an index-keyed optimizer state's indices mean."""
+    named = [(plain_name(n), p) for n, p in named_parameters if p.requires_grad]
+    return [n for _, members in _grouped(cfg, named) for n, _ in members]
+
+
+def _grouped(cfg, named: list) -> list[tuple[dict, list]]:
+    """(group settings, its (name, parameter) pairs) in the optimizer's group order."""
+    groups = dict(cfg.groups)
     buckets: dict[tuple, list] = {}
     for name, param in named:
         g = _group_of(name, groups)
         decays = not (cfg.decay == "no_bias_norm" and no_decay(name, param))
-        buckets.setdefault((g, decays), []).append(param)
+        buckets.setdefault((g, decays), []).append((name, param))
     order = [None, *groups]
     out = []
-    for (g, decays), params in sorted(
+    for (g, decays), members in sorted(
         buckets.items(), key=lambda kv: (order.index(kv[0][0]), not kv[0][1])
     ):
         spec = groups.get(g, {}) if g else {}
         wd = float(spec.get("weight_decay", cfg.weight_decay)) if decays else 0.0
         lr = cfg.lr * float(spec.get("lr_mult", 1.0))
-        out.append({"params": params, "lr": lr, "weight_decay": wd, "group": g or "default"})
+        out.append(({"lr": lr, "weight_decay": wd, "group": g or "default"}, members))
     return out

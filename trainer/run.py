@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, lora, models, optim, perf, ranks, repro, sampler, tasks
+from trainer import data, lora, models, optim, params, perf, ranks, repro, sampler, tasks
 from trainer.checkpoint.init import load_init
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.resume import Resume
@@ -269,8 +269,9 @@ def _pipelined(cfg: Config, world: World, mesh, strategy: Strategy, model: torch
     model = layout(model, cfg.train)
     if cfg.train.activation_checkpointing:
         checkpoint_activations(model)
+    order = params.numbering(cfg.optim, model.named_parameters())  # before the split
     pipe = pipeline.build(model, mesh, cfg.dist.pp_schedule, strategy, world)
-    return pipeline.Pipelined(strategy, pipe), pipe.view
+    return pipeline.Pipelined(strategy, pipe, order), pipe.view
 
 
 def _train_step(cfg, world, strategy, model, task, steps: tuple, mesh) -> TrainStep:
@@ -278,7 +279,8 @@ def _train_step(cfg, world, strategy, model, task, steps: tuple, mesh) -> TrainS
     scaler and, under repro.world_invariant, the shard gradients, in one TrainStep (a
     PipelineStep under pp). `steps`: (per epoch, in total)."""
     per_epoch, total = steps
-    optimizer = optim.build(cfg.optim, model)  # trainable parameters, optim.groups
+    whole = strategy.order if isinstance(strategy, pipeline.Pipelined) else None
+    optimizer = optim.build(cfg.optim, model, whole)  # trainable parameters, optim.groups
     kind, extra = TrainStep, {}
     if isinstance(strategy, pipeline.Pipelined):
         local = cfg.data.global_batch_size // mesh.data_size

@@ -136,6 +136,9 @@ class FSDP(Strategy):
         self.precision = precision
         self.reshard_after_forward = reshard_after_forward
         self.cpu_offload = cpu_offload
+        self.whole: set[nn.Parameter] = set()
+        """Parameters left whole on every rank (FSDP's ignored_params): a pipeline's weights
+        tied across stages, whose per-micro-batch gradients it adds itself."""
 
     def wrap(self, model: nn.Module, world: World) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -153,6 +156,8 @@ class FSDP(Strategy):
         )
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         options = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
+        if self.whole:
+            options["ignored_params"] = self.whole
         for unit in shard_units(model):
             fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
         # The root's parameters (embeddings, head) are needed again at once by the backward.
@@ -189,7 +194,7 @@ class FSDP(Strategy):
             set_optimizer_state_dict,
         )
 
-        keyed = _by_parameter_name(model, state)
+        keyed = _by_parameter_name(model, optimizer, state)
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(model, optimizer, keyed, options=options)
 
@@ -320,16 +325,24 @@ def rank_memory(model: nn.Module, optimizer) -> dict[str, int]:
     }
 
 
-def _by_parameter_name(model: nn.Module, state: dict) -> dict:
-    """torch's optimizer state_dict (parameters numbered in model.parameters() order) keyed by
-    parameter name instead: the form torch.distributed.checkpoint's set_* functions take."""
-    names = [name for name, _ in unwrap(model).named_parameters()]
+def _by_parameter_name(model: nn.Module, optimizer, state: dict) -> dict:
+    """torch's optimizer state_dict keyed by parameter name instead of number: the form
+    torch.distributed.checkpoint's set_* functions take. A whole checkpoint numbers the trainable
+    parameters group after group (optim.groups, optim.decay), as `optimizer`, built by the same
+    config over the same model, does."""
+    names = optimizer_names(model, optimizer)
     return {
         "state": {names[i]: v for i, v in state["state"].items()},
         "param_groups": [
             {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
         ],
     }
+
+
+def optimizer_names(model: nn.Module, optimizer) -> list[str]:
+    """The names of `optimizer`'s parameters in the order its state_dict numbers them."""
+    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
 def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:

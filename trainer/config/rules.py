@@ -45,14 +45,9 @@ def _check_model_parallel(cfg: Config, name: str, lay: Layout) -> None:
 
 
 def _check_tensor_parallel(cfg: Config, lay: Layout) -> None:
-    """What tp needs: whole heads on each tp rank, no pp with it yet, replicated activations
-    that stay the same on every tp rank (no dropout: each rank draws its own masks)."""
+    """What tp needs: whole heads on each tp rank, replicated activations that stay the same on
+    every tp rank (no dropout: each rank draws its own masks)."""
     mesh = f"dist.mesh={cfg.dist.mesh}"
-    if lay.pp > 1:
-        raise ConfigError(
-            f"{mesh}: pipeline and tensor parallelism together (pp x tp) are not supported yet: "
-            "use pp or tp (each composes with dp)"
-        )
     if cfg.optim.lora_targets:
         raise ConfigError(
             f"{mesh}: optim.lora_targets wraps Linear layers in adapters, which the "

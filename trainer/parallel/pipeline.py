@@ -30,7 +30,7 @@ from trainer import ranks
 from trainer.errors import ConfigError, UsageError
 from trainer.parallel.mesh import Mesh
 from trainer.step import TrainStep
-from trainer.strategy import Strategy, unwrap
+from trainer.strategy import Strategy, optimizer_names, unwrap
 from trainer.tasks import checked_loss
 
 
@@ -210,12 +210,9 @@ def build(model: nn.Module, mesh: Mesh, schedule: str, dp: Strategy, world) -> P
     modules = {s: piece(model, split, [s]) for s in local}
     view = modules[local[0]] if per_rank == 1 else piece(model, split, local)
     pipe = Pipe(split, mesh, local, {}, view, names, tied, schedule)
-    if tied and dp.name == "fsdp":
-        raise ConfigError(
-            f"dist.mesh={mesh.layout} with dist.strategy=fsdp: {type(model).__name__} ties "
-            f"{' and '.join(tied[0].names.values())} across pipeline stages, which fsdp's sharded "
-            "gradients do not add up yet: use dist.strategy=ddp for the dp dimension"
-        )
+    fsdp = dp if dp.name == "fsdp" else getattr(dp, "dp", None)  # under tp: its dp strategy
+    if tied and fsdp is not None and fsdp.name == "fsdp":  # whole: _tied_grads' hooks see grads
+        fsdp.whole = {model.get_parameter(t.canonical) for t in tied}
     for s in local:
         pipe.modules[s] = dp.wrap(modules[s], world)
     return pipe
@@ -390,13 +387,12 @@ class PipelineStep(TrainStep):
         ]
         norms = torch.zeros(len(pipe.names), dtype=torch.float32, device=self.device)
         sharded = any(hasattr(g, "to_local") for _, g in named)
-        if named:
-            found = torch._foreach_norm([_local(g) for _, g in named], 2.0)
+        if named and not sharded:
+            found = torch._foreach_norm([g for _, g in named], 2.0)
             for (n, _), v in zip(named, found, strict=True):
-                norms[order[n]] = v.square() if sharded else v
-        if sharded:
-            _all_reduce(norms, pipe.mesh.group("dp"))
-            norms = norms.sqrt()
+                norms[order[n]] = v
+        elif named:  # DTensors: squares added over the mesh dimensions each one is sharded on
+            norms = _sharded_norms(named, order, norms)
         _all_reduce(norms, pipe.mesh.group("pp"))
         total = torch.linalg.vector_norm(norms, 2.0)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -413,6 +409,26 @@ class PipelineStep(TrainStep):
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _sharded_norms(named: list, order: dict, norms: torch.Tensor) -> torch.Tensor:
+    """Each tensor's whole norm from its local part's square, added (one all-reduce per set of
+    groups) over the mesh dimensions it is sharded on (fsdp's dp, tp's columns or rows); a plain
+    (replicated) tensor counts once."""
+    from trainer.parallel.tensor import sharded_groups
+
+    found = torch._foreach_norm([_local(g) for _, g in named], 2.0)
+    by_groups: dict[tuple, list] = {}
+    for (n, g), v in zip(named, found, strict=True):
+        by_groups.setdefault(sharded_groups(g), []).append((order[n], v.square()))
+    for groups, entries in by_groups.items():
+        part = torch.zeros_like(norms)
+        for i, square in entries:
+            part[i] = square
+        for group in groups:
+            _all_reduce(part, group)
+        norms = norms + part  # disjoint entries: exact
+    return norms.sqrt()
 
 
 def _all_reduce(t: torch.Tensor, group) -> None:
@@ -518,8 +534,11 @@ class Pipelined(Strategy):
     needs_group = True
     splits_model = True
 
-    def __init__(self, dp: Strategy, pipe: Pipe | None = None):
+    def __init__(self, dp: Strategy, pipe: Pipe | None = None, order: list[str] | None = None):
         self.dp, self.pipe = dp, pipe
+        self.order = order or []
+        """The whole model's trainable parameter names as its optimizer numbers them
+        (params.numbering): what a whole checkpoint's optimizer indices mean."""
         self.name = f"{dp.name}+pp" if dp.name != "none" else "pp"
 
     def note(self, world) -> str | None:
@@ -574,18 +593,20 @@ class Pipelined(Strategy):
         self.dp.load_state_dict(model, self.select(state))
 
     def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
-        """A whole model's optimizer state (numbered in its parameter order) -> this rank's."""
+        """A whole model's optimizer state -> this rank's, group by group. The whole state numbers
+        the whole model's trainable parameters group after group (`self.order`); this rank's
+        optimizer holds its stages' part of each group that has one."""
         alias = {t.names[s]: t.canonical for t in self.pipe.tied for s in t.names}
-        index = {n: i for i, n in enumerate(self.pipe.names)}
-        here = [alias.get(n, n) for n, _ in unwrap(model).named_parameters()]
+        whole = {n: i for i, n in enumerate(self.order)}
+        group_of = {i: g for g in state["param_groups"] for i in g["params"]}
+        here = [whole[alias.get(n, n)] for n in optimizer_names(model, optimizer)]
+        groups, start = [], 0
+        for g in optimizer.param_groups:
+            end = start + len(g["params"])
+            groups.append({**group_of[here[start]], "params": list(range(start, end))})
+            start = end
         mine = {
-            "state": {
-                j: state["state"][index[n]]
-                for j, n in enumerate(here)
-                if index[n] in state["state"]
-            },
-            "param_groups": [
-                {**g, "params": list(range(len(here)))} for g in state["param_groups"][:1]
-            ],
+            "state": {j: state["state"][i] for j, i in enumerate(here) if i in state["state"]},
+            "param_groups": groups,
         }
         self.dp.load_optimizer_state(model, optimizer, mine)

@@ -137,7 +137,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
         return torch.zeros(())
     sums: dict[tuple, torch.Tensor] = {}
     for g in grads:
-        groups = _sharded_groups(g)
+        groups = sharded_groups(g)
         square = torch.linalg.vector_norm(_local(g), 2.0, dtype=torch.float32).square()
         sums[groups] = square if groups not in sums else sums[groups] + square
     total = torch.zeros((), dtype=torch.float32, device=_local(grads[0]).device)
@@ -151,7 +151,7 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     return total
 
 
-def _sharded_groups(t: torch.Tensor) -> tuple:
+def sharded_groups(t: torch.Tensor) -> tuple:
     """The process groups of the mesh dimensions a DTensor is sharded over (plain: none)."""
     if not hasattr(t, "placements"):
         return ()
@@ -217,6 +217,6 @@ class TensorParallel(Strategy):
             set_optimizer_state_dict,
         )
 
-        keyed = _by_parameter_name(model, state)
+        keyed = _by_parameter_name(model, optimizer, state)
         options = StateDictOptions(full_state_dict=True)
         set_optimizer_state_dict(unwrap(model), optimizer, keyed, options=options)
