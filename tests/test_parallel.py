@@ -194,6 +194,24 @@ def test_a_whole_optimizer_state_loads_into_a_stage_group_by_group():
         assert g["weight_decay"] == (0.0 if p.dim() < 2 else 0.1), name
 
 
+def test_a_stage_checks_optim_groups_against_the_whole_model():
+    """A group whose parameters all sit on another stage is no error on this one; a pattern
+    that matches nothing in the whole model still is."""
+    from trainer import params
+
+    model = GPT(256, 16, 4, 32, 2)
+    view = pipeline.piece(model, pipeline.plan(model, 2), [0])
+    whole = params.numbering(_cfg().optim, model.named_parameters())
+    late = _cfg("optim.groups.late.params=blocks.3.*", "optim.groups.late.lr_mult=0.1").optim
+    groups = params.param_groups(late, view.named_parameters(), whole)
+    assert [g["group"] for g in groups] == ["default"]
+    with pytest.raises(UsageError, match="optim.groups.late"):
+        params.param_groups(late, view.named_parameters())
+    typo = _cfg("optim.groups.late.params=block.3.*").optim
+    with pytest.raises(UsageError, match="match no trainable parameter"):
+        params.param_groups(typo, view.named_parameters(), whole)
+
+
 def test_a_whole_optimizer_state_is_named_as_its_optimizer_numbers_it():
     """FSDP and tp load a whole checkpoint by parameter name: index i is the optimizer's i-th
     parameter group after group, not the model's i-th parameter."""
@@ -309,7 +327,9 @@ def _within(run, reference_run, tol=1e-5) -> None:
 def test_pipeline_of_tensor_parallel_stages_tracks_one_process_and_resumes(one_process, tmp_path):
     """pp=2 x tp=2: each stage's layers split over its tp pair (the tied embedding/head
     replicated, its copies added by the pipeline); tracks one process within tp's rounding, and
-    its step-2 checkpoint resumes at world 1 to the same tolerance."""
+    its step-2 checkpoint resumes at world 1 to the same tolerance. Its dry run first."""
+    dry = ranks("train", *PRESET, *TINY, "dist.mesh=pp=2,tp=2", "--dry-run", nproc=4).stdout
+    assert "samples over 1 data-parallel replica(s) of 4 ranks) loss" in dry
     run = tmp_path / "pptp"
     out = ranks("train", *PRESET, *TINY, "dist.mesh=pp=2,tp=2", f"run_dir={run}", nproc=4).stdout
     assert "(gloo, tp+pp)" in out

@@ -48,13 +48,20 @@ def check(run: Run) -> dict:
     lb, ev, ck = report["last_batch"], report["eval_batch"], report["checkpoint"]
     run.log.info(
         f"dry run ok: last batch (step {lb['step_in_epoch'] + 1}/{len(plan)}, "
-        f"{lb['global_samples']} samples over {world.size} rank(s)) loss {lb['loss']:.4f} in "
+        f"{lb['global_samples']} samples over {_readers(run)}) loss {lb['loss']:.4f} in "
         f"{lb['seconds']:.2f} s | eval batch {ev['global_samples']} samples{_shown(ev)} | "
         f"checkpoint {ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in "
         f"{ck['seconds']:.2f} s\n"
         f"{metrics.memory_line(report['memory']) if world.is_main else ''}"
     )
     return report
+
+
+def _readers(run: Run) -> str:
+    """'2 rank(s)', or under a split model '2 data-parallel replica(s) of 4 ranks'."""
+    if not run.mesh.layout.model_parallel:
+        return f"{run.world.size} rank(s)"
+    return f"{run.mesh.data_size} data-parallel replica(s) of {run.world.size} ranks"
 
 
 def _shown(eval_batch: dict) -> str:
