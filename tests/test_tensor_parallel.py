@@ -28,6 +28,7 @@ from tests.test_bad_input import run_in_process
 from trainer.config import load, resolve_strategy
 from trainer.errors import ConfigError, UsageError
 from trainer.gpt import GPT
+from trainer.parallel import mesh as meshes
 from trainer.parallel import tensor
 
 TOL = 1e-5
@@ -134,9 +135,9 @@ def test_clip_reduces_a_norm_over_every_dimension_a_gradient_is_sharded_on():
     fsdp_tp = SimpleNamespace(placements=(_StridedShard(0, split_factor=2), Shard(0)))
     fsdp_tp.device_mesh = mesh
     bias = SimpleNamespace(placements=(Shard(0), Replicate()), device_mesh=mesh)
-    assert tensor.sharded_groups(fsdp_tp) == ("group 0", "group 1")
-    assert tensor.sharded_groups(bias) == ("group 0",)
-    assert tensor.sharded_groups(torch.zeros(2)) == ()
+    assert meshes.sharded_groups(fsdp_tp) == ("group 0", "group 1")
+    assert meshes.sharded_groups(bias) == ("group 0",)
+    assert meshes.sharded_groups(torch.zeros(2)) == ()
 
 
 # --- the rules: one line, exit 2, before any work ----------------------------------------------

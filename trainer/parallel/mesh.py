@@ -92,3 +92,13 @@ def build(world: World, layout: Layout) -> Mesh:
             torch.device(world.device).type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=DIMS
         )
     return Mesh(layout, world.rank, dp, pp, tp, device_mesh)
+
+
+def sharded_groups(t) -> tuple:
+    """The process groups of the mesh dimensions a DTensor is sharded over (plain: none)."""
+    if not hasattr(t, "placements"):
+        return ()
+    # Not is_shard(): FSDP's _StridedShard (dp over a tp shard) is a shard it does not count.
+    return tuple(
+        t.device_mesh.get_group(i) for i, p in enumerate(t.placements) if not p.is_replicate()
+    )

@@ -28,7 +28,7 @@ from torch import nn
 from trainer import batch as batches
 from trainer import ranks
 from trainer.errors import ConfigError, UsageError
-from trainer.parallel.mesh import Mesh
+from trainer.parallel.mesh import Mesh, sharded_groups
 from trainer.step import TrainStep
 from trainer.strategy import Strategy, optimizer_names, unwrap
 from trainer.tasks import checked_loss
@@ -415,8 +415,6 @@ def _sharded_norms(named: list, order: dict, norms: torch.Tensor) -> torch.Tenso
     """Each tensor's whole norm from its local part's square, added (one all-reduce per set of
     groups) over the mesh dimensions it is sharded on (fsdp's dp, tp's columns or rows); a plain
     (replicated) tensor counts once."""
-    from trainer.parallel.tensor import sharded_groups
-
     found = torch._foreach_norm([_local(g) for _, g in named], 2.0)
     by_groups: dict[tuple, list] = {}
     for (n, g), v in zip(named, found, strict=True):

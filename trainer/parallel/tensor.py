@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainer.errors import ConfigError, UsageError
-from trainer.parallel.mesh import Mesh
+from trainer.parallel.mesh import Mesh, sharded_groups
 from trainer.strategy import Strategy, _by_parameter_name, unwrap
 
 
@@ -149,16 +149,6 @@ def clip_grad_norm(params, max_norm: float) -> torch.Tensor:
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     torch._foreach_mul_([_local(g) for g in grads], coef.to(_local(grads[0]).dtype))
     return total
-
-
-def sharded_groups(t: torch.Tensor) -> tuple:
-    """The process groups of the mesh dimensions a DTensor is sharded over (plain: none)."""
-    if not hasattr(t, "placements"):
-        return ()
-    # Not is_shard(): FSDP's _StridedShard (dp over a tp shard) is a shard it does not count.
-    return tuple(
-        t.device_mesh.get_group(i) for i, p in enumerate(t.placements) if not p.is_replicate()
-    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
