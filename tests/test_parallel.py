@@ -5,6 +5,7 @@ layout (pp -> world 1, world 1 -> pp)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -35,6 +36,7 @@ TINY = [
     "optim.decay=no_bias_norm",
 ]
 PRESET = ["--config", "stdlib-gpt"]
+INVARIANT = ["repro.world_invariant=true", "train.micro_batch_size=null", "data.eval_batch_size=32"]
 
 
 # --- the mesh ----------------------------------------------------------------------------------
@@ -87,7 +89,11 @@ def _cfg(*overrides):
         (["dist.mesh=pp=2", "train.micro_batch_size=32"], 2, "at least one per stage"),
         (["dist.mesh=pp=2", "train.micro_batch_size=5"], 2, "equal micro-batches of 5"),
         (["dist.mesh=pp=2", "dist.strategy=dp"], 2, "single-process nn.DataParallel"),
-        (["dist.mesh=pp=2", "repro.world_invariant=true"], 2, "repro.world_invariant"),
+        (["dist.mesh=tp=2", "repro.world_invariant=true"], 2, "drop tp"),
+        (["dist.mesh=pp=2", *INVARIANT, "model.dropout=0.1"], 2, "set model.dropout=0"),
+        (["dist.mesh=pp=2", *INVARIANT, "repro.shards=1"], 2, "set repro.shards to 2 or more"),
+        (["dist.mesh=pp=2", *INVARIANT, "data.global_batch_size=36"], 2, "a multiple of 8"),
+        (["dist.mesh=pp=2", "repro.world_invariant=true", "train.micro_batch_size=8"], 2, "unset"),
         (["dist.mesh=pp=2", "train.compile=true"], 2, "train.compile"),
         (["dist.mesh=dp=2,tp=2", "dist.strategy=ddp"], 4, "DDP cannot all-reduce"),
         (["dist.mesh=pp=2", "data.global_batch_size=31"], 4, "does not split over 2 ranks"),
@@ -312,6 +318,48 @@ def test_pipeline_under_data_parallelism_at_world_4_tracks_one_process(
     args = [*PRESET, *TINY, "dist.mesh=dp=2,pp=2", f"dist.strategy={strategy}"]
     ranks("train", *args, "train.micro_batch_size=null", f"run_dir={run}", nproc=4, timeout=300)
     _within(run, one_process)
+
+
+@pytest.fixture(scope="module")
+def invariant_one(tmp_path_factory):
+    """The world-1 reference of repro.world_invariant (8 shards of 4 samples a step)."""
+    return shared_run(
+        tmp_path_factory,
+        "parallel:invariant-world1",
+        lambda d: train_here("train", *TINY, *INVARIANT, f"run_dir={d}", config_file="stdlib-gpt"),
+    )
+
+
+def _same_bits(run, reference_run) -> None:
+    assert _losses(run) == _losses(reference_run) and len(_losses(run)) == 4
+    reference = weights(reference_run)
+    assert all(torch.equal(weights(run)[k], reference[k]) for k in reference)
+    summary = [json.loads((r / "summary.json").read_text()) for r in (run, reference_run)]
+    assert summary[0]["eval"] == summary[1]["eval"]
+
+
+@pytest.mark.slow
+def test_world_invariant_pipeline_gives_world_1_bits_and_resumes_there(invariant_one, tmp_path):
+    """repro.world_invariant under pp=2: each shard is a micro-batch, its gradients kept per
+    micro-batch and added in the fixed tree; losses, test metrics and weights are the world-1
+    run's, bit for bit, and its step-2 checkpoint resumes at world 1 to the same bits."""
+    run = tmp_path / "pp"
+    ranks("train", *PRESET, *TINY, *INVARIANT, "dist.mesh=pp=2", f"run_dir={run}", nproc=2)
+    _same_bits(run, invariant_one)
+    back = _resume_at_step_2(run, tmp_path / "back")
+    train_here("train", *TINY, *INVARIANT, f"run_dir={back}", config_file="stdlib-gpt")
+    _same_bits(back, invariant_one)
+
+
+@pytest.mark.world4
+@pytest.mark.slow
+def test_world_invariant_data_and_pipeline_parallel_gives_world_1_bits(invariant_one, tmp_path):
+    """dp=2 x pp=2 under repro.world_invariant: each replica's 4 shards in its subtree, the two
+    subtree sums all-gathered over dp and added in the same tree: the world-1 run's bits."""
+    run = tmp_path / "dppp"
+    args = [*PRESET, *TINY, *INVARIANT, "dist.mesh=dp=2,pp=2"]
+    ranks("train", *args, f"run_dir={run}", nproc=4, timeout=300)
+    _same_bits(run, invariant_one)
 
 
 def _within(run, reference_run, tol=1e-5) -> None:

@@ -21,7 +21,7 @@ LAYERS = [
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
     "repro optim models tasks data ranks",
-    "parallel.mesh",
+    "parallel.mesh parallel.fixedtree",
     "datasets.synthetic datasets.tabular datasets.vision datasets.text datasets.arrays strategy "
     "tracking.tracker",
     "datasets.folder datasets.tokens evaluate doctor tracking",

@@ -52,7 +52,7 @@ def evaluate(
     if names is None:
         raise UsageError("evaluation: the test split gave no batches on any rank")
     n_batches = -(-len(spec.test) // batch) if whole_batches else None
-    return _summary(task, names, _totals(names, found, world, n_batches))
+    return _summary(task, names, _totals(names, found, world, n_batches, (rank, size)))
 
 
 def batch_metrics(task: Task, found: list, world: World) -> dict:
@@ -62,14 +62,17 @@ def batch_metrics(task: Task, found: list, world: World) -> dict:
     return {} if names is None else _summary(task, names, _totals(names, found, world))
 
 
-def _totals(names, found: list, world: World, n_batches: int | None = None) -> torch.Tensor:
+def _totals(
+    names, found: list, world: World, n_batches: int | None = None, reader: tuple = (0, 1)
+) -> torch.Tensor:
     """The rows of `found` added over batches and ranks: (sum, count) per metric, samples, and
     the names-mismatch flag. With n_batches (whole_batches), a table of a row per batch filled in
-    by the ranks (one rank's row plus zeros: an exact all-reduce), added in batch order."""
+    by the ranks (one rank's row plus zeros: an exact all-reduce), added in batch order; `reader`
+    (data rank, data size) says which batches this rank's rows are."""
     width = 2 * len(names) + 2  # (sum, count) per metric, samples, a mismatch flag
     rows = [_row(names, sums, n, width, world.device) for _, sums, n in found]
     if n_batches is not None:
-        first = sampler.chunk_bounds(n_batches, world.rank, world.size)[0]
+        first = sampler.chunk_bounds(n_batches, *reader)[0]
         table = torch.zeros(n_batches, width, dtype=torch.float64, device=world.device)
         for i, row in enumerate(rows):
             table[first + i] = row

@@ -152,10 +152,17 @@ def total_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
     return min(planned, cfg.max_steps) if cfg.max_steps else planned
 
 
-def _check_shards_fit_batchnorm(cfg: Config, model: torch.nn.Module, n: int) -> None:
-    """Under repro.world_invariant BatchNorm normalises each shard alone: it needs 2 samples."""
+def _check_shards_fit_batchnorm(cfg: Config, model: torch.nn.Module, n: int, pp: int) -> None:
+    """Under repro.world_invariant BatchNorm normalises each shard alone: it needs 2 samples
+    (and no pipeline, whose micro-batches would update its running statistics in turn)."""
     if not any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules()):
         return
+    if pp > 1:
+        raise ConfigError(
+            f"repro.world_invariant=true with dist.mesh={cfg.dist.mesh}: BatchNorm's running "
+            "statistics would follow the pipeline's micro-batches, not the shards' fixed tree: "
+            "use a model without BatchNorm, or drop pp"
+        )
     b, k = cfg.data.global_batch_size, cfg.repro.shards
     tail = n % b if n % b and not cfg.data.drop_last else b
     if min(b, tail, n) // k < 2:
@@ -194,13 +201,13 @@ def build(
     model = lora.prepare(cfg.optim, model, cfg.ckpt)  # what trains
     per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
     total = total_steps(cfg.train, per_epoch)
+    if cfg.repro.world_invariant:  # the whole model, before a pipeline splits it
+        _check_shards_fit_batchnorm(cfg, model, len(spec.train), mesh.layout.pp)
     if mesh.layout.pp > 1:
         pipeline.check_tail(len(spec.train), cfg, mesh, reached=total >= per_epoch)
         strategy, model = _pipelined(cfg, world, mesh, strategy, model)
     else:
         model = _wrap(cfg, world, strategy, model)
-    if isinstance(strategy, WorldInvariant):
-        _check_shards_fit_batchnorm(cfg, model, len(spec.train))
     step = _train_step(cfg, world, strategy, model, task, (per_epoch, total), mesh)
     log = RunLogger(
         main=world.is_main, progress=cfg.log.progress, total_steps=total, epochs=cfg.train.epochs
@@ -286,6 +293,9 @@ def _train_step(cfg, world, strategy, model, task, steps: tuple, mesh) -> TrainS
         local = cfg.data.global_batch_size // mesh.data_size
         micro = cfg.train.micro_batch_size or max(1, local // strategy.pipe.split.n)
         extra = {"pipe": strategy.pipe, "data_size": mesh.data_size, "micro_batch": micro}
+        if isinstance(strategy.dp, WorldInvariant):  # a shard per micro-batch, the fixed tree
+            k = strategy.dp.shards
+            extra |= {"micro_batch": cfg.data.global_batch_size // k, "tree_shards": k}
         kind = pipeline.PipelineStep
     step = kind(
         **extra,

@@ -22,11 +22,16 @@ def _check_model_parallel(cfg: Config, name: str, lay: Layout) -> None:
             f"{mesh} splits the model over processes, but dist.strategy=dp is single-process "
             "nn.DataParallel: use dist.strategy=ddp or fsdp for the data-parallel dimension"
         )
-    if cfg.repro.world_invariant:
+    if cfg.repro.world_invariant and lay.tp > 1:
         raise ConfigError(
-            f"repro.world_invariant=true sums whole-replica shard gradients in a fixed tree; with "
-            f"{mesh} the model is split, which it does not do yet: set repro.world_invariant=false "
-            "(pipeline parallelism alone already gives one process's bits: docs/training.md)"
+            f"repro.world_invariant=true gives the same bits on any world size, which {mesh} "
+            "cannot: a tensor-parallel layer adds its ranks' partial sums in another order than "
+            "one process (docs/training.md): drop tp, or set repro.world_invariant=false"
+        )
+    if cfg.repro.world_invariant and cfg.model.dropout:
+        raise ConfigError(
+            f"repro.world_invariant=true with {mesh}: each pipeline stage draws its own dropout "
+            f"masks, not one process's: set model.dropout=0 (or repro.world_invariant=false)"
         )
     if lay.tp > 1 and name == "ddp" and lay.dp > 1:
         raise ConfigError(
@@ -77,6 +82,8 @@ def _check_micro_batches(cfg: Config, lay: Layout) -> None:
     local = cfg.data.global_batch_size // lay.dp
     stages = lay.pp * (2 if cfg.dist.pp_schedule == "interleaved-1f1b" else 1)
     micro = cfg.train.micro_batch_size or max(1, local // stages)
+    if cfg.repro.world_invariant:
+        micro = _shard_micro_batch(cfg, lay)
     over = f" on each of {lay.dp} dp ranks" if lay.dp > 1 else ""
     where = f"dist.mesh={cfg.dist.mesh} ({stages} pipeline stages{over})"
     if local % micro:
@@ -90,6 +97,30 @@ def _check_micro_batches(cfg: Config, lay: Layout) -> None:
             f"needs at least one per stage: set train.micro_batch_size <= {local // stages} or "
             f"raise data.global_batch_size to at least {stages * micro * lay.dp}"
         )
+
+
+def _shard_micro_batch(cfg: Config, lay: Layout) -> int:
+    """Under repro.world_invariant a pipeline's micro-batch is one shard: B / repro.shards."""
+    b, k = cfg.data.global_batch_size, cfg.repro.shards
+    where = f"repro.world_invariant=true with dist.mesh={cfg.dist.mesh}"
+    if b % k:
+        raise ConfigError(
+            f"{where} runs each of the repro.shards={k} shards as one pipeline micro-batch, which "
+            f"must be equal: set data.global_batch_size to a multiple of {k}"
+        )
+    if cfg.train.micro_batch_size not in (None, b // k):
+        raise ConfigError(
+            f"{where}: the pipeline's micro-batch is one shard ({b // k} samples), not "
+            f"train.micro_batch_size={cfg.train.micro_batch_size}: leave it unset (null)"
+        )
+    stages = lay.pp * (2 if cfg.dist.pp_schedule == "interleaved-1f1b" else 1)
+    if k // lay.dp < stages:
+        raise ConfigError(
+            f"{where}: each data-parallel replica runs its {k // lay.dp} shard(s) as micro-batches, "
+            f"fewer than its {stages} pipeline stages: set repro.shards to {stages * lay.dp} or more "
+            "(a power of two)"
+        )
+    return b // k
 
 
 def _check_world_invariant(cfg: Config, name: str, on_cuda: bool | None) -> None:

@@ -18,7 +18,6 @@ tensor's norm in the whole model's order: so clipping and tied weights keep the 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -28,6 +27,7 @@ from torch import nn
 from trainer import batch as batches
 from trainer import ranks
 from trainer.errors import ConfigError, UsageError
+from trainer.parallel import fixedtree
 from trainer.parallel.mesh import Mesh, sharded_groups
 from trainer.step import TrainStep
 from trainer.strategy import Strategy, optimizer_names, unwrap
@@ -274,6 +274,8 @@ def check_tail(n: int, cfg, mesh: Mesh, reached: bool) -> None:
         return
     stages = mesh.layout.pp * (2 if cfg.dist.pp_schedule == "interleaved-1f1b" else 1)
     micro = cfg.train.micro_batch_size or max(1, b // dp // stages)
+    if cfg.repro.world_invariant:  # a shard per micro-batch
+        micro = b // cfg.repro.shards
     sizes = {(tail * (r + 1)) // dp - (tail * r) // dp for r in range(dp)}
     if len(sizes) == 1 and (size := sizes.pop()) % micro == 0 and size // micro >= stages:
         return
@@ -316,6 +318,9 @@ class PipelineStep(TrainStep):
     stages)."""
     _micro: dict = field(default_factory=dict)
     """This step's micro-batches, loss terms and the micro-batches' summed losses."""
+    tree_shards: int = 0
+    """repro.world_invariant: K, the shards of each global batch (the micro-batches are this
+    replica's K / dp of them), gradients added in the fixed tree (fixedtree.py); 0: off."""
 
     def _chunks(self, batch) -> list:
         return batches.split(batch, self.micro_batch)
@@ -331,20 +336,34 @@ class PipelineStep(TrainStep):
                 "or a data.global_batch_size that the train split divides"
             )
         terms = self._pipeline_terms(global_count, chunks, index)
-        self._micro = {"chunks": chunks, "terms": terms, "sums": {}}
+        # Sum of losses x dp / global terms: after the dp average, sum / terms (the fixed tree
+        # adds the replicas' gradients instead: sum / terms).
+        factor = (1.0 if self.tree_shards else self.data_size) / terms
+        self._micro = {"chunks": chunks, "terms": terms, "sums": {}, "factor": factor}
         arg_mbs = [model_inputs(self.task, c) for c in chunks] if pipe.first else None
         if not pipe.stages:
             _make_stages(pipe, arg_mbs[0] if arg_mbs else None, self.device)
-        with _tied_grads(pipe) as per_micro:
+        tied = {t.names[s] for t in pipe.tied for s in t.names}
+        own = [(n, p) for n, p in pipe.view.named_parameters() if p.requires_grad]
+        own = [(n, p) for n, p in own if n not in tied] if self.tree_shards else []
+        with _tied_grads(pipe) as per_micro, fixedtree.keep_grads(own) as kept:
             self.forward_s.start()
             pipe.schedule(len(chunks), self._micro_loss).step(
                 arg_mbs=arg_mbs,
                 target_mbs=[torch.tensor(i) for i in range(len(chunks))] if pipe.last else None,
             )
             self.forward_s.stop()
-        _add_tied(pipe, per_micro, len(chunks))
+        if self.tree_shards:
+            _tree_grads(pipe, kept, _tied_micro(pipe, per_micro, len(chunks)), len(chunks))
+        else:
+            _add_tied(pipe, per_micro, len(chunks))
         self._update()
         sums = self._micro["sums"]
+        if self.tree_shards:
+            first = pipe.mesh.data_rank * len(chunks)
+            lead = pipe.mesh.contributes and pipe.mesh.data_rank == 0
+            sums = sums if pipe.mesh.contributes else {}
+            return fixedtree.step_loss(sums, first, self.tree_shards, terms, lead, self.device)
         if not (pipe.mesh.contributes and sums):
             return torch.zeros((), device=self.device)
         total = sums[0]
@@ -361,7 +380,7 @@ class PipelineStep(TrainStep):
         # The last call per micro-batch counts: the first step's first may be torch's shape
         # inference on placeholder activations.
         now["sums"][int(i)] = local.detach()
-        return self.scaler.scale(local * (self.data_size / now["terms"]))
+        return self.scaler.scale(local * now["factor"])
 
     def _pipeline_terms(self, global_count: int, chunks, index: int) -> int:
         """Loss terms in the global batch; counted (one all-reduce) by the ranks whose loss
@@ -461,64 +480,78 @@ def _recv(src: int, device: str) -> torch.Tensor:
     return out
 
 
-@contextlib.contextmanager
 def _tied_grads(pipe: Pipe):
     """Around the schedule: each tied weight's copy keeps its per-micro-batch gradients (and
     lets nothing accumulate), for _add_tied to add in one process's order."""
-    kept: dict[str, list[torch.Tensor]] = {}
-    handles = []
+    params = dict(pipe.view.named_parameters())
+    copies = [
+        (t.canonical, params[name])
+        for t in pipe.tied
+        for s, name in t.names.items()
+        if s in pipe.local
+    ]
+    return fixedtree.keep_grads(copies)
+
+
+def _tied_micro(pipe: Pipe, kept: dict, n_micro: int) -> dict:
+    """canonical name -> its per-micro-batch gradients, each the sum of its copies (exchanged
+    over the pp group) in stage order, as one process's backward adds them."""
+    group, out = pipe.mesh.group("pp"), {}
+    for t in pipe.tied:
+        grads = kept.get(t.canonical, [])
+        slot = {s: i for i, s in enumerate(sorted(t.names))}
+        stacked = torch.zeros((len(t.names), n_micro, *t.shape), device=_device(pipe))
+        for s in sorted(t.names):
+            if s in pipe.local:
+                stacked[slot[s]] = torch.stack(grads[len(grads) - n_micro :])
+        _all_reduce(stacked, group)
+        micro = []
+        for i in range(n_micro):
+            m = stacked[0, i]
+            for k in range(1, stacked.shape[0]):
+                m = m + stacked[k, i]
+            micro.append(m)
+        out[t.canonical] = micro
+    return out
+
+
+def _set_tied(pipe: Pipe, totals: dict) -> None:
     params = dict(pipe.view.named_parameters())
     for t in pipe.tied:
-        for s, name in t.names.items():
+        for s in t.names:
             if s in pipe.local:
-                grads = kept.setdefault(t.canonical, [])
-                handles.append(params[name].register_hook(_keeper(grads)))
-    try:
-        yield kept
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _keeper(grads: list):
-    def hook(g: torch.Tensor) -> torch.Tensor:
-        grads.append(g.detach().clone())
-        return torch.zeros_like(g)
-
-    return hook
+                params[t.names[s]].grad = totals[t.canonical].clone()
 
 
 def _add_tied(pipe: Pipe, kept: dict, n_micro: int) -> None:
     """Each tied weight's gradient: its copies' per-micro-batch gradients exchanged over the pp
     group and added as one process adds them ((h1 + e1) + (h2 + e2) + ...), then averaged over
     the dp group; every copy gets the same bits."""
-    params = dict(pipe.view.named_parameters())
-    group = pipe.mesh.group("pp")
-    for t in pipe.tied:
-        mine = [s for s in sorted(t.names) if s in pipe.local]
-        grads = kept.get(t.canonical, [])
-        slot = {s: i for i, s in enumerate(sorted(t.names))}
-        stacked = torch.zeros((len(t.names), n_micro, *t.shape), device=_device(pipe))
-        for s in mine:
-            stacked[slot[s]] = torch.stack(grads[len(grads) - n_micro :])
-        _all_reduce(stacked, group)
-        total = _in_order(stacked)
+    totals = {}
+    for name, micro in _tied_micro(pipe, kept, n_micro).items():
+        total = micro[0]
+        for m in micro[1:]:
+            total = total + m
         if pipe.mesh.layout.dp > 1:
             _all_reduce(total, pipe.mesh.group("dp"))
             total = total / pipe.mesh.layout.dp
-        for s in mine:
-            params[t.names[s]].grad = total.clone()
+        totals[name] = total
+    _set_tied(pipe, totals)
 
 
-def _in_order(stacked: torch.Tensor) -> torch.Tensor:
-    """sum over micro-batches i of (sum over copies k), added left to right."""
-    total = None
-    for i in range(stacked.shape[1]):
-        micro = stacked[0, i]
-        for k in range(1, stacked.shape[0]):
-            micro = micro + stacked[k, i]
-        total = micro if total is None else total + micro
-    return total
+def _tree_grads(pipe: Pipe, kept: dict, tied: dict, n_micro: int) -> None:
+    """repro.world_invariant: every gradient of this rank's stages as the fixed tree over all
+    shards adds it (trainer/parallel/fixedtree.py); tied weights from their per-micro sums."""
+    aliases = {t.names[s]: t.canonical for t in pipe.tied for s in t.names}
+    named = [(n, p) for n, p in pipe.view.named_parameters() if p.requires_grad]
+    per_param = []
+    for n, p in named:
+        grads = tied[aliases[n]] if n in aliases else kept.get(n, [])[-n_micro:]
+        per_param.append(grads or [torch.zeros_like(p)] * n_micro)
+    per_micro = [[g[i] for g in per_param] for i in range(n_micro)]
+    summed = fixedtree.tree_sum(per_micro, pipe.mesh.group("dp"), pipe.mesh.layout.dp)
+    for (_, p), g in zip(named, summed, strict=True):
+        p.grad = g
 
 
 def _device(pipe: Pipe) -> torch.device:
