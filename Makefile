@@ -107,8 +107,8 @@ test-image: setup  ## build docker/Dockerfile on a real engine, run compose (roo
 test-mlflow: setup  ## runs against a real `mlflow server` (its own venv, .venv/mlflow-server, built on first use; ~2 min)
 	$(BIN)/pytest -m mlflow tests/test_tracking.py $(PYTEST_ARGS)
 
-test-mesh: setup  ## the four-process model-parallel runs: dp=2 x pp=2 (DDP) and dp=2 x tp=2 (FSDP) against one process (~3 min)
-	$(BIN)/pytest -m world4 tests/test_parallel.py tests/test_tensor_parallel.py $(PYTEST_ARGS)
+test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp x tp) and compiled pp stages, against one process (~6 min)
+	$(BIN)/pytest -m mesh tests/test_parallel.py tests/test_tensor_parallel.py $(PYTEST_ARGS)
 
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
 	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)

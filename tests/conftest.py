@@ -60,7 +60,8 @@ def pytest_collection_modifyitems(config, items):
     GPU-marked tests skip themselves where CUDA is absent (CI, laptops). Image-marked tests
     (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`; so do the
     Slurm-marked ones (a cluster of daemons, root): `make test-slurm`, and the four-process
-    model-parallel runs (`world4`: 4 ranks on 2 cores, a minute or more each): `make test-mesh`.
+    model-parallel runs (`mesh`: 4 ranks on 2 cores, or compiled stages, a minute or more each):
+    `make test-mesh`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.
@@ -74,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
         "image",
         "slurm",
         "mlflow",
-        "world4",
+        "mesh",
     ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh
         if not re.search(rf"(?<!not )\b{marker}\b", expr):
             chosen = [item for item in items if item.get_closest_marker(marker)]

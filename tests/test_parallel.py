@@ -94,7 +94,8 @@ def _cfg(*overrides):
         (["dist.mesh=pp=2", *INVARIANT, "repro.shards=1"], 2, "set repro.shards to 2 or more"),
         (["dist.mesh=pp=2", *INVARIANT, "data.global_batch_size=36"], 2, "a multiple of 8"),
         (["dist.mesh=pp=2", "repro.world_invariant=true", "train.micro_batch_size=8"], 2, "unset"),
-        (["dist.mesh=pp=2", "train.compile=true"], 2, "train.compile"),
+        (["dist.mesh=tp=2", "train.compile=true"], 2, "train.compile"),
+        (["dist.mesh=pp=2", *INVARIANT, "train.compile=true"], 2, "set train.compile=false"),
         (["dist.mesh=dp=2,tp=2", "dist.strategy=ddp"], 4, "DDP cannot all-reduce"),
         (["dist.mesh=pp=2", "data.global_batch_size=31"], 4, "does not split over 2 ranks"),
     ],
@@ -304,7 +305,7 @@ def test_pipeline_gives_one_process_bits_and_resumes_under_another_layout(one_pr
     assert all(torch.equal(weights(forth)[k], reference[k]) for k in reference)
 
 
-@pytest.mark.world4
+@pytest.mark.mesh
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_pipeline_under_data_parallelism_at_world_4_tracks_one_process(
@@ -351,7 +352,7 @@ def test_world_invariant_pipeline_gives_world_1_bits_and_resumes_there(invariant
     _same_bits(back, invariant_one)
 
 
-@pytest.mark.world4
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_world_invariant_data_and_pipeline_parallel_gives_world_1_bits(invariant_one, tmp_path):
     """dp=2 x pp=2 under repro.world_invariant: each replica's 4 shards in its subtree, the two
@@ -370,7 +371,7 @@ def _within(run, reference_run, tol=1e-5) -> None:
     assert max((weights(run)[k] - reference[k]).abs().max().item() for k in reference) < tol
 
 
-@pytest.mark.world4
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_pipeline_of_tensor_parallel_stages_tracks_one_process_and_resumes(one_process, tmp_path):
     """pp=2 x tp=2: each stage's layers split over its tp pair (the tied embedding/head
@@ -385,6 +386,17 @@ def test_pipeline_of_tensor_parallel_stages_tracks_one_process_and_resumes(one_p
     back = _resume_at_step_2(run, tmp_path / "back")
     train_here("train", *TINY, f"run_dir={back}", config_file="stdlib-gpt")
     _within(back, one_process)
+
+
+@pytest.mark.mesh
+@pytest.mark.slow
+def test_compiled_pipeline_stages_track_one_process(one_process, tmp_path):
+    """train.compile=true under pp=2: each stage compiled on its own (inductor fuses other kernels
+    than eager), tracking the eager one-process run within 1e-5 (a minute or two of compiling)."""
+    run = tmp_path / "compiled"
+    args = [*PRESET, *TINY, "dist.mesh=pp=2", "train.compile=true"]
+    ranks("train", *args, f"run_dir={run}", nproc=2, timeout=600)
+    _within(run, one_process)
 
 
 def test_a_tail_batch_a_pipeline_cannot_split_is_refused_before_work():

@@ -230,7 +230,7 @@ def test_tp2_tracks_one_process_and_its_checkpoint_resumes_at_world_1_and_dp2(
     _close(got, want)
 
 
-@pytest.mark.world4
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_dp2_tp2_under_fsdp_tracks_one_process_and_resumes_at_world_1(one_process, tmp_path):
     ref, run = one_process, tmp_path / "dp2tp2"

@@ -277,7 +277,7 @@ def _pipelined(cfg: Config, world: World, mesh, strategy: Strategy, model: torch
     if cfg.train.activation_checkpointing:
         checkpoint_activations(model)
     order = params.numbering(cfg.optim, model.named_parameters())  # before the split
-    pipe = pipeline.build(model, mesh, cfg.dist.pp_schedule, strategy, world)
+    pipe = pipeline.build(model, mesh, cfg.dist.pp_schedule, strategy, world, cfg.train.compile)
     return pipeline.Pipelined(strategy, pipe, order), pipe.view
 
 

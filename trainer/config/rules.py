@@ -38,10 +38,16 @@ def _check_model_parallel(cfg: Config, name: str, lay: Layout) -> None:
             f"{mesh}: DDP cannot all-reduce tensor-parallel (DTensor) parameters: set "
             "dist.strategy=fsdp for the data-parallel dimension (FSDP2 composes with tp)"
         )
-    if cfg.train.compile:
+    if cfg.train.compile and lay.tp > 1:
         raise ConfigError(
-            f"train.compile=true is not supported with {mesh} yet (the stages are compiled "
-            "separately by nothing here): set train.compile=false"
+            f"train.compile=true is not supported with {mesh} yet (tensor-parallel layers are not "
+            "compiled here): set train.compile=false"
+        )
+    if cfg.train.compile and cfg.repro.world_invariant:
+        raise ConfigError(
+            f"repro.world_invariant=true with train.compile=true and {mesh}: each stage is compiled "
+            "on its own, which fuses kernels unlike one compiled model, so the bits would differ "
+            "from world 1's: set train.compile=false"
         )
     if cfg.model.sync_bn:
         raise ConfigError(f"model.sync_bn=true does not compose with {mesh}: set it to false")

@@ -198,9 +198,12 @@ class Pipe:
         return self.schedules[n_micro]
 
 
-def build(model: nn.Module, mesh: Mesh, schedule: str, dp: Strategy, world) -> Pipe:
+def build(
+    model: nn.Module, mesh: Mesh, schedule: str, dp: Strategy, world, compile: bool = False
+) -> Pipe:
     """Split `model` (built identically on every rank) and keep this rank's stages, each wrapped
-    by the data-parallel strategy `dp` over the dp dimension."""
+    by the data-parallel strategy `dp` over the dp dimension (and compiled, train.compile: the
+    module the schedule runs; the view, optimizer and checkpoints keep the plain names)."""
     pp = mesh.layout.pp
     per_rank = 2 if schedule == "interleaved-1f1b" else 1
     split = plan(model, pp * per_rank)
@@ -215,6 +218,8 @@ def build(model: nn.Module, mesh: Mesh, schedule: str, dp: Strategy, world) -> P
         fsdp.whole = {model.get_parameter(t.canonical) for t in tied}
     for s in local:
         pipe.modules[s] = dp.wrap(modules[s], world)
+        if compile:  # after DDP, as without a mesh
+            pipe.modules[s] = torch.compile(pipe.modules[s])
     return pipe
 
 
