@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REFERENCE, shared_run, trainer
+from tests.helpers import REFERENCE, shared_run, train_here, trainer
 
 
 @pytest.fixture(scope="session")
@@ -23,15 +23,17 @@ def reference_runs(tmp_path_factory):
 
     def get(world: int, *extra: str):
         def make(folder: Path) -> None:
-            trainer(
+            args = (
                 "train",
                 *REFERENCE,
                 "model.kwargs.delay=0",
                 *extra,
                 f"run_dir={folder / 'run'}",
-                nproc=None if world == 1 else world,
-                torchrun=False,  # the numbers are the point: helpers.ranks, no torchrun process
             )
+            if world == 1:  # the numbers are the point: in this process (no torch import)
+                train_here(*args)
+            else:  # the ranks started directly (helpers.ranks): no torchrun process
+                trainer(*args, nproc=world, torchrun=False)
 
         return shared_run(tmp_path_factory, f"reference {world} {extra!r}", make) / "run"
 

@@ -129,20 +129,29 @@ def trainer(
     check=True,
     gpu=False,
     torchrun: bool = True,
+    warm: bool = True,
 ):
     """Run `python -m trainer ...`, or under the real torchrun with nproc processes (or, with
-    torchrun=False, nproc processes started here with torchrun's variables: see ranks())."""
+    torchrun=False, nproc processes started here with torchrun's variables: see ranks()).
+
+    One process (nproc None) is forked from the warm server (tests/warm.py: its imports already
+    done) where its environment allows (_warm_env); warm=False: a fresh interpreter, for a test
+    about the process's own start (its imports, the collector while it imports)."""
     if nproc is not None and not torchrun:
         return ranks(*args, nproc=nproc, timeout=timeout, extra_env=extra_env, check=check)
     cmd = trainer_argv(*args, nproc=nproc)
-    proc = subprocess.run(
-        cmd,
-        env=env(gpu, **(extra_env or {})),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
+    if nproc is None and warm and not gpu and _warm_env(extra_env):
+        proc = _run_warm(args, [env(**(extra_env or {}))], timeout)
+        proc = subprocess.CompletedProcess(cmd, proc[0][0], proc[1][0][0], proc[1][0][1])
+    else:
+        proc = subprocess.run(
+            cmd,
+            env=env(gpu, **(extra_env or {})),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=ROOT,
+        )
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -154,24 +163,62 @@ def ranks(*args, nproc: int, timeout: float = 180, extra_env=None, check=True):
     """`python -m trainer ARGS` on nproc local ranks started directly with the variables
     torchrun --standalone gives its workers (RANK, WORLD_SIZE, MASTER_PORT, ...), for tests about
     the numbers rather than the launcher: no torchrun process (a torch import, ~2 s of CPU) and no
-    rendezvous. As torchrun does, the first rank to fail stops the others. Returns rank 0's
-    stdout, every rank's stderr, and the highest exit code."""
-    import contextlib
-    import tempfile
-    import time
+    rendezvous, and each rank forked from the warm server (tests/warm.py) where the environment
+    allows. As torchrun does, the first rank to fail stops the others. Returns rank 0's stdout,
+    every rank's stderr, and the highest exit code."""
 
-    port, procs, texts = free_port(), [], []
+    port = free_port()
     common = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
     common |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **(extra_env or {})}
     cmd = [sys.executable, "-m", "trainer", *args]
-    deadline, killed = time.monotonic() + timeout, set()
-    with contextlib.ExitStack() as files:
-        outs = []
-        for rank in range(nproc):
-            out, err = (files.enter_context(tempfile.TemporaryFile("w+")) for _ in range(2))
-            outs.append((out, err))
-            e = env(**common, RANK=str(rank), LOCAL_RANK=str(rank))
-            procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=out, stderr=err, text=True))
+    envs = [env(**common, RANK=str(rank), LOCAL_RANK=str(rank)) for rank in range(nproc)]
+    try:
+        codes, texts = _run_warm(args, envs, timeout, warm=_warm_env(extra_env))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(
+            f"{' '.join(cmd)} on {nproc} ranks: timed out after {timeout} s"
+        ) from None
+    code = max((c if c >= 0 else 128 - c for c in codes if c is not None), default=1)
+    proc = subprocess.CompletedProcess(cmd, code, texts[0][0], "".join(e for _, e in texts))
+    if check and code != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} on {nproc} ranks exited {code}\n{proc.stdout[-3000:]}\n"
+            f"{proc.stderr[-3000:]}"
+        )
+    return proc
+
+
+WARM_ENV = ("TRAINER_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+WARM_ENV += ("MASTER_ADDR", "MASTER_PORT")
+"""Variables a warm process may have beyond env()'s: the run's, which nothing reads while the
+interpreter starts or torch loads (OMP_*, TORCH_*, PYTHON*, CUDA_*, ... could differ there)."""
+
+
+def _warm_env(extra_env) -> bool:
+    return WARM_RANKS and all(k.startswith(WARM_ENV) for k in (extra_env or {}))
+
+
+def _run_warm(args, envs, timeout, warm=True):
+    """`python -m trainer ARGS` once per environment in `envs`, all at once: forked from the warm
+    server (warm) or fresh interpreters. The first to fail stops the others (killed: code None);
+    past `timeout`, all are killed and subprocess.TimeoutExpired raised. -> (codes, [(out, err)])."""
+    import tempfile
+    import time
+
+    cmd = [sys.executable, "-m", "trainer", *args]
+    deadline, procs, killed = time.monotonic() + timeout, [], set()
+    if warm:
+        from tests import warm as warm_server
+
+        warm = all(warm_server.fits(e) for e in envs)  # else what the server imported under
+    with tempfile.TemporaryDirectory(prefix="trainer-") as folder:
+        outs = [(f"{folder}/{i}.out", f"{folder}/{i}.err") for i in range(len(envs))]
+        for e, (out, err) in zip(envs, outs, strict=True):
+            if warm:
+                procs.append(_Warm(warm_server.start(args, e, ROOT, out, err)))
+                continue
+            with open(out, "w") as o, open(err, "w") as r:
+                procs.append(subprocess.Popen(cmd, env=e, cwd=ROOT, stdout=o, stderr=r))
         try:
             while any(p.poll() is None for p in procs):
                 if any(p.poll() for p in procs) or time.monotonic() > deadline:
@@ -179,27 +226,43 @@ def ranks(*args, nproc: int, timeout: float = 180, extra_env=None, check=True):
                         if p.poll() is None:
                             p.kill()
                             killed.add(i)
-                time.sleep(0.05)
+                time.sleep(0.02)
         finally:
             for i, p in enumerate(procs):
                 if p.poll() is None:
                     p.kill()
                     killed.add(i)
                 p.wait()
-        for out, err in outs:
-            out.seek(0), err.seek(0)
-            texts.append((out.read(), err.read()))
-    ended = [p.returncode for i, p in enumerate(procs) if i not in killed]
-    code = max((c if c >= 0 else 128 - c for c in ended), default=1)
-    proc = subprocess.CompletedProcess(cmd, code, texts[0][0], "".join(e for _, e in texts))
+        texts = [tuple(Path(f).read_text(errors="replace") for f in pair) for pair in outs]
     if time.monotonic() > deadline:
-        raise AssertionError(f"{' '.join(cmd)} on {nproc} ranks: timed out after {timeout} s")
-    if check and code != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} on {nproc} ranks exited {code}\n{proc.stdout[-3000:]}\n"
-            f"{proc.stderr[-3000:]}"
-        )
-    return proc
+        raise subprocess.TimeoutExpired(cmd, timeout, texts[0][0], texts[0][1])
+    return [None if i in killed else p.returncode for i, p in enumerate(procs)], texts
+
+
+WARM_RANKS = os.environ.get("TEST_WARM_RANKS", "1") != "0"
+"""helpers.ranks forks its ranks from a warm server (tests/warm.py); TEST_WARM_RANKS=0: fresh
+interpreters, as before (to compare, or to rule the server out)."""
+
+
+class _Warm:
+    """A warm rank (multiprocessing.Process) with the few Popen methods ranks() uses."""
+
+    def __init__(self, proc):
+        self.proc = proc
+
+    def poll(self):
+        return self.proc.exitcode
+
+    @property
+    def returncode(self):
+        return self.proc.exitcode
+
+    def kill(self):
+        self.proc.kill()
+
+    def wait(self):
+        self.proc.join()
+        return self.proc.exitcode
 
 
 def train_here(command: str, *args: str, config_file: str | None = None) -> dict:

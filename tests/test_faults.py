@@ -132,7 +132,8 @@ def test_doctor_warns_about_a_small_dev_shm(monkeypatch):
 @pytest.mark.slow
 def test_from_reruns_a_run_exactly_and_records_where_it_ran(tmp_path):
     run_dir = tmp_path / "run"
-    trainer("train", *TINY, "model.dropout=0.0", f"run_dir={run_dir}")
+    # a fresh interpreter (not the warm server's fork): its run.json records its own start-up
+    trainer("train", *TINY, "model.dropout=0.0", f"run_dir={run_dir}", warm=False)
     trainer("train", "--from", str(run_dir))
     a, b = weights(run_dir), weights(run_dir / "rerun")
     assert all(torch.equal(a[k], b[k]) for k in a)
