@@ -551,7 +551,9 @@ class ReproConfig:
     none or ddp; with dist.device=cuda also set repro.deterministic=true."""
     shards: int = 8
     """Shards per global batch under repro.world_invariant: a power of two that the world size
-    divides (1, 2, 4 or 8 ranks for 8)."""
+    divides (1, 2, 4 or 8 ranks for 8). Set it to the largest world size the run will use:
+    each rank computes shards / world of them, and a small model pays per shard (the digits
+    MLP's throughput falls with every doubling; docs/training.md)."""
 
 
 @dataclass(kw_only=True)
