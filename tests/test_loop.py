@@ -109,6 +109,25 @@ def test_a_cadence_that_changes_every_step_still_votes_within_every_steps(monkey
     assert max(gaps) <= 10 and posted[:4] == [10, 19, 29, 38], posted[:5]
 
 
+def test_loss_sums_add_in_step_order_with_the_bits_of_a_float64_accumulator():
+    # The steps' float32 losses wait in a list and are added at a window or epoch end: the same
+    # float64 additions, in the same order, as the float64 tensors += each step made.
+    gen = torch.Generator().manual_seed(0)
+    losses = (torch.rand(23, generator=gen) * torch.logspace(-6, 3, 23)).float()
+    sums = LossSums("cpu", world_size=1)
+    window = torch.zeros((), dtype=torch.float64)
+    epoch = torch.zeros((), dtype=torch.float64)
+    for i, loss in enumerate(losses):
+        sums.add(loss, 64)
+        window += loss
+        epoch += loss
+        if i % 5 == 4:
+            assert sums.window().loss == window.item() / 5
+            window.zero_()
+    assert sums.epoch_mean() == epoch.item() / 23
+    assert sums.epoch_mean() is None  # a new epoch without steps
+
+
 def test_the_log_window_all_reduce_carries_the_agreed_vote_cadence(monkeypatch):
     # Two ranks: the other one's shares arrive through the all-reduce (loss 1, cadence 10,
     # metrics errno 5, a save asked for, its forward 0.3 s and data wait 0.4 s in rank 1's

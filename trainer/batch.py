@@ -60,7 +60,9 @@ def cut(batch: Batch, lo: int, hi: int) -> Batch:
 
 def split(batch: Batch, micro: int) -> list[Batch]:
     """Consecutive pieces of at most `micro` samples (one piece for a batch that fits)."""
+    if not micro:  # no micro-steps: nothing to count (data.py checks a pass's first batch)
+        return [batch]
     n = size(batch)
-    if not micro or n <= micro:
+    if n <= micro:
         return [batch]
     return [cut(batch, lo, min(lo + micro, n)) for lo in range(0, n, micro)]
