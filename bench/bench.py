@@ -31,6 +31,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -111,7 +112,17 @@ CPU_COMMON = [
     "dist.device=cpu",
     "data.device_resident=true",
 ]
-CPU_BASE = ["--config", "digits-mlp", *CPU_COMMON, "train.max_steps=600", "log.every_steps=50"]
+# Full batches only, as the bare loops run them: the digits epoch's 30-sample tail step costs
+# about two thirds of a full one (AdamW's update does not shrink with the batch), 0.8% of the
+# samples/s that is no cost of the stack's.
+CPU_BASE = [
+    "--config",
+    "digits-mlp",
+    *CPU_COMMON,
+    "data.drop_last=true",
+    "train.max_steps=600",
+    "log.every_steps=50",
+]
 # The small GPT (2 blocks of width 128, 32 x 64 bytes a step): ~0.1 s of math a step on 2 cores,
 # against a 1.6 MB gradient all-reduce, so world 2 / world 1 measures data parallelism, not the
 # per-step overhead. The eval split is cut to 4 KiB: only the training windows are timed.
@@ -441,18 +452,67 @@ INVARIANT_ROWS = (
     "trainer, 2 processes (DDP, gloo)",
     "trainer, 1 process, world_invariant",
     "trainer, 2 processes, world_invariant",
+    "trainer, 1 process, world_invariant, 2 shards",
+    "trainer, 2 processes, world_invariant, 2 shards",
+    "GPT trainer, 1 process x 1 thread",
+    "GPT trainer, 1 process x 1 thread, world_invariant",
+    "GPT trainer, 2 processes x 1 thread",
+    "GPT trainer, 2 processes x 1 thread, world_invariant",
 )
+# repro.shards=2: the shard count of a run declared for at most 2 ranks (docs/training.md).
+WI2 = (*WI, "repro.shards=2")
 
 
 def invariant_rows() -> list[Row]:
-    """The CPU suite's world_invariant rows and the plain rows they are divided by, alone."""
-    return [r for r in cpu_rows() if r.name in INVARIANT_ROWS]
+    """The CPU suite's world_invariant rows and the plain rows they are divided by, the MLP with
+    2 shards (a run that will never use more than 2 ranks), and the small GPT with 8 shards
+    against plain at one thread a process (world_invariant pins one intra-op thread)."""
+    mlp, gpt, g_mlp, g_gpt = tuple(CPU_BASE), tuple(CPU_GPT), "digits MLP", "small GPT, 1 thread"
+    extra = [
+        Row("trainer, 1 process, world_invariant, 2 shards", "trainer", mlp + WI2, group=g_mlp),
+        Row("trainer, 2 processes, world_invariant, 2 shards", "trainer", mlp + WI2, 2, group=g_mlp),
+        Row("GPT trainer, 1 process x 1 thread", "trainer", gpt, 1, group=g_gpt),
+        Row("GPT trainer, 1 process x 1 thread, world_invariant", "trainer", gpt + WI, group=g_gpt),
+        Row("GPT trainer, 2 processes x 1 thread, world_invariant", "trainer", gpt + WI, 2,
+            group=g_gpt),
+    ]  # fmt: skip
+    rows = {r.name: r for r in [*cpu_rows(), *extra]}
+    return [rows[name] for name in INVARIANT_ROWS]
+
+
+INVARIANT_RATIOS = [
+    *CPU_RATIOS,
+    (
+        "world_invariant (2 shards) / plain, world 1",
+        "trainer, 1 process, world_invariant, 2 shards",
+        "trainer, 1 process",
+        0.8,
+    ),
+    (
+        "world_invariant (2 shards) / plain, world 2",
+        "trainer, 2 processes, world_invariant, 2 shards",
+        "trainer, 2 processes (DDP, gloo)",
+        0.8,
+    ),
+    (
+        "GPT world_invariant / plain, world 1",
+        "GPT trainer, 1 process x 1 thread, world_invariant",
+        "GPT trainer, 1 process x 1 thread",
+        0.8,
+    ),
+    (
+        "GPT world_invariant / plain, world 2",
+        "GPT trainer, 2 processes x 1 thread, world_invariant",
+        "GPT trainer, 2 processes x 1 thread",
+        0.8,
+    ),
+]
 
 
 SUITES = {  # suite -> (its rows, its ratios, the base overrides its FLOPs are counted on)
     "gpu": (gpu_rows, GPU_RATIOS, GPU_BASE),
     "cpu": (cpu_rows, CPU_RATIOS, CPU_BASE),
-    "invariant": (invariant_rows, CPU_RATIOS, CPU_BASE),
+    "invariant": (invariant_rows, INVARIANT_RATIOS, CPU_BASE),
     "ckpt": (ckpt_rows, CKPT_RATIOS, CKPT_BASE),
     "sweep": (sweep_rows, sweep_ratios(), SWEEP_BASE),
 }
@@ -528,9 +588,38 @@ def alternation(n_rows: int, reps: int) -> list[tuple[int, int]]:
     return [(rep, i) for rep in range(reps) for i in range(n_rows)]
 
 
+# One-sided 95% quantiles of Student's t by degrees of freedom (the normal's from 31 on): the
+# ends of a two-sided 90% interval.
+T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771,
+       1.761, 1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706,
+       1.703, 1.701, 1.699, 1.697)  # fmt: skip
+
+
+def paired(per_rep: list[float]) -> dict:
+    """The paired statistic of a ratio whose rows ran side by side in each repetition: the
+    geometric mean of the per-repetition ratios and its 90% confidence interval (Student's t on
+    their logarithms). Pairing takes out what a repetition's load did to both rows alike, which
+    the range of the rows' own values keeps; the interval narrows as 1/sqrt(reps)."""
+    if not per_rep:
+        return {"paired": None, "ci90_lo": None, "ci90_hi": None}
+    logs = [math.log(r) for r in per_rep]
+    mean = statistics.fmean(logs)
+    if len(logs) < 2:
+        return {"paired": math.exp(mean), "ci90_lo": None, "ci90_hi": None}
+    df = len(logs) - 1
+    t = T95[df - 1] if df <= len(T95) else 1.645
+    half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+    return {
+        "paired": math.exp(mean),
+        "ci90_lo": math.exp(mean - half),
+        "ci90_hi": math.exp(mean + half),
+    }
+
+
 def ratios(summaries: dict[str, dict], specs: list) -> dict[str, dict]:
     """Each ratio of medians, with the range of its per-repetition ratios (rows run side by side
-    in each repetition); ratios whose rows were not run are left out."""
+    in each repetition) and their paired statistic (paired()); ratios whose rows were not run are
+    left out."""
     out = {}
     for name, num, den, target in specs:
         if num not in summaries or den not in summaries:
@@ -548,6 +637,7 @@ def ratios(summaries: dict[str, dict], specs: list) -> dict[str, dict]:
             "denominator": den,
             "target": target,
             "at_most": at_most,
+            **paired(per_rep),
         }
     return out
 
@@ -561,6 +651,17 @@ def meets(ratio: dict) -> bool | None:
     return ratio["value"] >= ratio["target"]
 
 
+def clears(ratio: dict) -> bool | None:
+    """Whether the paired 90% interval lies on the target's side (its lower end at least the
+    target, or its upper end at most it): the repetitions say the target is met. None without a
+    target or an interval."""
+    if ratio["target"] is None or ratio.get("ci90_lo") is None:
+        return None
+    if ratio.get("at_most"):
+        return ratio["ci90_hi"] <= ratio["target"]
+    return ratio["ci90_lo"] >= ratio["target"]
+
+
 def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict) -> str:
     lines = [f"  {'row':44} {'median':>10} {'min':>10} {'max':>10}  unit       n"]
     for row in rows:
@@ -570,16 +671,22 @@ def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict
         fmt = "{:10,.0f}" if row.unit == "samples/s" else "{:10.2f}"
         cells = " ".join(fmt.format(s[k]) for k in ("median", "min", "max"))
         lines.append(f"  {row.name:44} {cells}  {row.unit:9} {s['n']:2d}")
-    lines.append("ratios of medians (per-repetition range; target):")
+    lines.append(
+        "ratios of medians (per-repetition range; paired: geometric mean of the per-repetition "
+        "ratios [90% interval]; target):"
+    )
     for name, r in ratio_values.items():
         rng = (
             f"[{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}]"
             if r["per_rep_min"] is not None
             else ""
         )
+        pair = ""
+        if r.get("ci90_lo") is not None:
+            pair = f"{r['paired']:.3f} [{r['ci90_lo']:.3f}-{r['ci90_hi']:.3f}]"
         sign = "<=" if r.get("at_most") else ">="
         target = f"{sign} {r['target']:.2f}" if r["target"] is not None else ""
-        lines.append(f"  {name:46} {r['value']:6.3f}  {rng:15} {target}")
+        lines.append(f"  {name:46} {r['value']:6.3f}  {rng:15} {pair:23} {target}")
     return "\n".join(lines)
 
 
@@ -877,15 +984,17 @@ MET, MISSED, NO_TARGET = "#3a8a3a", "#c0392b", "#4878a8"
 
 def ratio_bars(report: dict) -> list[dict]:
     """What the ratio panel draws, top to bottom: each ratio's median, its per-repetition range,
-    its target, and a colour saying whether the median meets the target."""
+    its paired 90% interval (None without one), its target, and a colour saying whether the
+    median meets the target."""
     bars = []
     for name, r in report["ratios"].items():
         target, met = r["target"], meets(r)
         color = NO_TARGET if met is None else MET if met else MISSED
         lo = r["value"] if r["per_rep_min"] is None else r["per_rep_min"]
         hi = r["value"] if r["per_rep_max"] is None else r["per_rep_max"]
+        ci = None if r.get("ci90_lo") is None else (r["ci90_lo"], r["ci90_hi"])
         bars.append({"name": name, "value": r["value"], "lo": lo, "hi": hi, "target": target,
-                     "color": color})  # fmt: skip
+                     "color": color, "ci": ci})  # fmt: skip
     return bars
 
 
@@ -901,14 +1010,18 @@ def _plot_ratios(ax, bars: list[dict]) -> None:
         height=0.6,
     )
     for y, b in zip(ys, bars, strict=True):
+        if b.get("ci") is not None:
+            ax.plot(b["ci"], [y + 0.3] * 2, color="#ffb000", linewidth=4, solid_capstyle="butt")
         if b["target"] is not None:
             ax.plot([b["target"]] * 2, [y - 0.4, y + 0.4], color="black", linewidth=2)
-        ax.text(b["hi"], y, f"  {b['value']:.3f}", va="center", fontsize=8)
+        right = max(b["hi"], b["ci"][1] if b.get("ci") else b["hi"])
+        ax.text(right, y, f"  {b['value']:.3f}", va="center", fontsize=8)
     ax.axvline(1.0, color="#777777", linestyle=":", linewidth=1)
-    ax.set_xlim(0, max(1.1, max(b["hi"] for b in bars) * 1.15))
+    top = max(max(b["hi"], b["ci"][1] if b.get("ci") else 0.0) for b in bars)
+    ax.set_xlim(0, max(1.1, top * 1.15))
     ax.set_title(
-        "ratios of medians (whiskers: per-repetition range; black tick: target; green: met, "
-        "red: missed)",
+        "ratios of medians (whiskers: per-rep range; orange: paired 90% interval; tick: target; "
+        "green: met, red: missed)",
         fontsize=9,
         loc="left",
     )
@@ -1062,7 +1175,8 @@ def main(argv: list[str] | None = None) -> int:
         "stall, world_invariant and ResNet-50's data wait on one GPU, once each "
         "(bench/headline.py; --quick: tiny sizes on the CPU); parallel: memory per rank, "
         "pipeline bubble and throughput of pp=2, tp=2 and dp=2 against world 1 (bench/parallel.py); "
-        "invariant: the CPU suite's world_invariant rows and their plain rows alone; loader: the "
+        "invariant: world_invariant against plain, the MLP with 8 and 2 shards and the small GPT, "
+        "at 1 and 2 processes; loader: the "
         "image-folder loader against a bare torchvision ImageFolder + DataLoader (bench/loader.py)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))

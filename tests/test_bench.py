@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -63,6 +65,32 @@ def test_ratios_of_medians_with_per_rep_range_and_missing_rows_left_out():
     assert r["a / b"]["target"] == 0.97
     table = bench.format_table([bench.Row("a", "trainer"), bench.Row("b", "bare")], summaries, r)
     assert "a / b" in table and "0.900" in table and "[0.800-1.000]" in table and ">= 0.97" in table
+
+
+def test_the_paired_statistic_is_the_geometric_mean_of_the_per_rep_ratios_with_a_t_interval():
+    summaries = {
+        "a": bench.summarize([99.0, 90.0, 110.0, 101.0]),
+        "b": bench.summarize([100.0, 90.0, 112.0, 100.0]),
+    }
+    r = bench.ratios(summaries, [("a / b", "a", "b", 0.97)])["a / b"]
+    per_rep = [0.99, 1.0, 110.0 / 112.0, 1.01]
+    logs = [math.log(x) for x in per_rep]
+    half = 2.353 * statistics.stdev(logs) / math.sqrt(4)  # t(0.95, 3 degrees of freedom)
+    assert r["paired"] == pytest.approx(math.exp(statistics.fmean(logs)))
+    assert (r["ci90_lo"], r["ci90_hi"]) == pytest.approx(
+        (math.exp(statistics.fmean(logs) - half), math.exp(statistics.fmean(logs) + half))
+    )
+    # Per-repetition noise that hits both rows alike leaves a narrow interval, wider than the
+    # rows' own spread would say: 0.970 <= it, so the repetitions clear the target.
+    assert 0.97 < r["ci90_lo"] < r["paired"] < r["ci90_hi"] < 1.02 and bench.clears(r)
+    assert not bench.clears({**r, "target": 0.99})
+    assert bench.clears({**r, "target": None}) is None
+    assert bench.clears({**r, "at_most": True, "target": 1.05})
+    one = bench.paired([0.9])
+    assert one["paired"] == pytest.approx(0.9) and one["ci90_lo"] is None
+    rows = [bench.Row("a", "trainer"), bench.Row("b", "bare")]
+    table = bench.format_table(rows, summaries, {"a / b": r})
+    assert f"{r['paired']:.3f} [{r['ci90_lo']:.3f}-{r['ci90_hi']:.3f}]" in table
 
 
 def test_metrics_jsonl_windows_and_first_step():
@@ -207,6 +235,10 @@ def test_the_invariant_suite_is_the_cpu_suites_world_invariant_rows_and_their_ra
         "world_invariant / plain, world 1",
         "world_invariant / plain, world 2",
         "MLP world 2 / world 1, trainer",
+        "world_invariant (2 shards) / plain, world 1",
+        "world_invariant (2 shards) / plain, world 2",
+        "GPT world_invariant / plain, world 1",
+        "GPT world_invariant / plain, world 2",
     }
 
 
