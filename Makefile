@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -106,6 +106,9 @@ test-image: setup  ## build docker/Dockerfile on a real engine, run compose (roo
 
 test-mlflow: setup  ## runs against a real `mlflow server` (its own venv, .venv/mlflow-server, built on first use; ~2 min)
 	$(BIN)/pytest -m mlflow tests/test_tracking.py $(PYTEST_ARGS)
+
+test-long: setup  ## the long end-to-end runs: stdlib-gpt to its documented number, k8s pods as network namespaces, the bench scripts, the example killed twice (~5 min)
+	$(BIN)/pytest $(XDIST) -m long $(PYTEST_ARGS)
 
 test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp x tp) and compiled pp stages, against one process (~6 min)
 	$(BIN)/pytest -m mesh tests/test_parallel.py tests/test_tensor_parallel.py $(PYTEST_ARGS)

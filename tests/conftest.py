@@ -63,7 +63,8 @@ def pytest_collection_modifyitems(config, items):
     (minutes, an engine, ~10 GB) run only when `-m` asks for them: `make test-image`; so do the
     Slurm-marked ones (a cluster of daemons, root): `make test-slurm`, and the four-process
     model-parallel runs (`mesh`: 4 ranks on 2 cores, or compiled stages, a minute or more each):
-    `make test-mesh`.
+    `make test-mesh`, and the long end-to-end runs (`long`: whole programs, 30 s to 2 min each):
+    `make test-long`.
 
     The marker, not `item.keywords`: keywords also hold parametrize ids, so a CPU test
     parametrized over the `gpu` k8s overlay would be skipped too.
@@ -78,7 +79,8 @@ def pytest_collection_modifyitems(config, items):
         "slurm",
         "mlflow",
         "mesh",
-    ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh
+        "long",
+    ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh, test-long
         if not re.search(rf"(?<!not )\b{marker}\b", expr):
             chosen = [item for item in items if item.get_closest_marker(marker)]
             if chosen:

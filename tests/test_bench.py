@@ -171,6 +171,7 @@ def test_the_ratio_panel_colours_each_ratio_by_its_target():
 
 
 @pytest.mark.slow  # ~25 s of processes; bench/ is not trainer code (make test-quick skips it)
+@pytest.mark.long
 def test_quick_suite_end_to_end(tmp_path):
     """One repetition of the 1-process rows with a few steps each: JSON, PNG and table."""
     cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "cpu", "--reps", "1"]

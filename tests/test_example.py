@@ -67,6 +67,7 @@ def test_the_example_learns_with_its_own_loss_and_metrics(one_process):
     assert run["data"]["users"] == 600 and run["data"]["items"] == 400
 
 
+@pytest.mark.long  # two SIGKILLs and restarts under torchrun: make test-long
 def test_its_script_on_two_ranks_killed_twice_and_restarted_ends_bitwise_equal_to_one_process(
     one_process, ratings_data, tmp_path
 ):

@@ -124,6 +124,7 @@ def test_the_headline_numbers_their_targets_and_the_reasons_for_missing_ones():
 
 
 @pytest.mark.slow  # ~15-20 s on 2 cores: one process, each row forked from it
+@pytest.mark.long
 def test_the_whole_script_at_tiny_sizes_on_the_cpu(tmp_path):
     """What a GPU loan would run, end to end at tiny sizes (`--quick`), through bench.py's
     --suite: the data generated, every row run, the JSON written and parsed back."""

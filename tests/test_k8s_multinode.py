@@ -34,6 +34,7 @@ from tests.helpers import ROOT, checkpoints, train_losses, trainer, wait_for, we
 from trainer.errors import ExitCode
 
 pytestmark = [
+    pytest.mark.long,  # pods as network namespaces, minutes of CPU: make test-long
     pytest.mark.k8s,
     pytest.mark.netns,
     pytest.mark.slow,

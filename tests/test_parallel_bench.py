@@ -126,6 +126,7 @@ def test_a_failed_run_is_recorded_and_the_others_still_run(tmp_path):
 
 
 @pytest.mark.slow  # four rows, each rank forked: 29 s on 2 cores at load 1-3
+@pytest.mark.long
 def test_the_script_end_to_end_at_tiny_sizes(tmp_path):
     """Through bench.py's --suite: world 1, FSDP, pp=2 and world 1 on the same micro-batches,
     the JSON written and parsed back, the plot beside it."""
