@@ -48,7 +48,9 @@ def test_every_preset_is_listed():
         ("digits-mlp", "accuracy", 0.975),  # the preset comments' numbers, seed 0
         ("digits-lenet", "accuracy", 0.965),
         ("diabetes-mlp", "mse", 2900.0),
-        pytest.param("stdlib-gpt", "bits_per_byte", 3.1, marks=[pytest.mark.slow, pytest.mark.long]),  # 3.013
+        pytest.param(
+            "stdlib-gpt", "bits_per_byte", 3.1, marks=[pytest.mark.slow, pytest.mark.long]
+        ),  # 3.013
     ],
 )
 def test_embedded_presets_train_to_their_documented_numbers(
