@@ -419,28 +419,19 @@ def test_a_model_reaching_its_parameters_past_its_modules_falls_back_to_the_same
         assert torch.equal(got["state"][name], t), name
 
 
-def test_a_steps_shard_gradients_are_not_page_faulted_in_again_every_step():
-    """K shard gradients allocated together and freed together (8 x 1 MB, the digits MLP's 512 x
-    512 layer): once malloc keeps freed memory, the next step reuses it without a page fault
-    (before, 1,124 minor faults and 5 ms of system time a step)."""
-    import resource
+def test_a_cpu_runs_shard_gradients_keep_freed_memory():
+    """K shard gradients allocated together and freed together went back to the OS after every
+    step and were page-faulted in again (1,124 minor faults, 5 ms of system time a step on the
+    digits MLP, docs/benchmarks.md): a CPU run's ShardedGradients asks glibc to keep freed memory,
+    and glibc takes both settings. (The fault counts themselves depend on the heap's history, so
+    the bench, not this test, measures them.)"""
     import sys
 
-    if not sys.platform.startswith("linux") or not invariant.keep_freed_memory():
+    if not sys.platform.startswith("linux"):
         pytest.skip("glibc's mallopt only")
-    asked = []  # a CPU run's shard gradients ask for it (process-wide, so checked by a stand-in)
+    asked = []  # process-wide, so checked through a stand-in
     with pytest.MonkeyPatch.context() as m:
         m.setattr(invariant, "keep_freed_memory", lambda: asked.append(1) or True)
         invariant.ShardedGradients(torch.nn.Linear(2, 2), rank=0, world_size=1, shards=8)
     assert asked
-
-    def step():
-        grads = [torch.ones(512, 512) for _ in range(8)]
-        del grads
-
-    step()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(20):
-        step()
-    # 20 steps of 2,048 pages: 40,115 faults here without; a few hundred with (the heap settling)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 1024
+    assert invariant.keep_freed_memory()
