@@ -68,6 +68,8 @@ class TrainStep:
     contributes: bool = True
     """Whether this rank's loss counts (trainer/parallel/mesh.py): under tp every rank of a
     replica computes the same loss, and only its first returns it and counts its terms."""
+    _start_key: tuple | None = field(default=None, repr=False)
+    _start_grad: torch.Tensor | None = field(default=None, repr=False)
 
     def _chunks(self, batch) -> list:
         return batches.split(batch, self.cfg.micro_batch_size)
@@ -112,20 +114,42 @@ class TrainStep:
         return terms
 
     def _backward(self, batch, factor: float) -> torch.Tensor:
-        """Forward, summed loss, backward of loss x factor (scaled for fp16); the summed loss."""
-        root, local = self._loss(batch, factor)
-        root.backward()
-        return local
+        """Forward, summed loss, backward of loss x factor (scaled for fp16); the summed loss.
+
+        Without a loss scaler the factor is the gradient backward starts from: the gradient
+        (loss x factor).backward() would pass on, float32(factor), the same bits, without the
+        multiplication and its backward node (two tensor ops a micro-step)."""
+        if self.scaler.is_enabled():
+            root, local = self._loss(batch, factor)
+            root.backward()
+            return local
+        with self._autocast():
+            local = self._summed(batch)
+        local.backward(self._start(factor, local))
+        return local.detach()
 
     def _loss(self, batch, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and summed loss: (loss x factor, scaled for fp16: what backward runs on;
         the summed loss, detached)."""
         with self._autocast():
-            self.forward_s.start()
-            out = forward(self.task, self.model, batch)
-            self.forward_s.stop()
-            local = checked_loss(self.task, self.task.loss(out, batch))
+            local = self._summed(batch)
         return self.scaler.scale(local * factor), local.detach()
+
+    def _summed(self, batch) -> torch.Tensor:
+        """The forward (timed for the straggler report) and the task's summed loss."""
+        self.forward_s.start()
+        out = forward(self.task, self.model, batch)
+        self.forward_s.stop()
+        return checked_loss(self.task, self.task.loss(out, batch))
+
+    def _start(self, factor: float, like: torch.Tensor) -> torch.Tensor:
+        """`factor` as the 0-dim gradient backward starts from at `like` (made again only when
+        the factor changes: a tail batch, a task whose term count varies)."""
+        key = (factor, like.dtype, like.device)
+        if self._start_key != key:
+            self._start_key = key
+            self._start_grad = torch.full((), factor, dtype=like.dtype, device=like.device)
+        return self._start_grad
 
     def _loss_for(self, terms: int):
         return lambda piece: self._loss(piece, 1.0 / terms)
