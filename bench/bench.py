@@ -172,16 +172,16 @@ class Row:
     """One benchmark row: how to launch it and which number to take from each run."""
 
     name: str
-    kind: str  # "trainer" | "bare" | "help"
+    kind: str  # "trainer" | "bare" | "help" | "interleaved" (bench/interleaved.py: trainer / bare)
     overrides: tuple[str, ...] = ()
     nproc: int = 1
     threads: int | None = 1  # OMP_NUM_THREADS per process; None: 1 unless the user set it
-    metric: str = "samples_per_s"  # | "first_step_s" (launch to first step) | "wall_s"
+    metric: str = "samples_per_s"  # | "first_step_s" (launch to first step) | "wall_s" | "ratio"
     group: str = "throughput"
 
     @property
     def unit(self) -> str:
-        return "samples/s" if self.metric == "samples_per_s" else "s"
+        return {"samples_per_s": "samples/s", "ratio": "x"}.get(self.metric, "s")
 
 
 def _first_step(base: list[str]) -> tuple[str, ...]:
@@ -218,6 +218,7 @@ def cpu_rows() -> list[Row]:
         Row("GPT trainer, 1 process x 2 threads", "trainer", gpt, 1, threads=2, group=g_gpt),
         Row("GPT bare DDP loop, 2 processes x 1 thread", "bare", gpt, 2, threads=1, group=g_gpt),
         Row("GPT trainer, 2 processes x 1 thread", "trainer", gpt, 2, threads=1, group=g_gpt),
+        *interleaved_rows(mlp, gpt),
         Row("trainer --help", "help", metric="wall_s", group=g_start),
         Row("bare loop, 1 process: to 1st step", "bare", one, metric="first_step_s", group=g_start),
         Row(
@@ -242,7 +243,29 @@ def cpu_rows() -> list[Row]:
     ]
 
 
-# (ratio, numerator row, denominator row, target): ratios of the rows' medians.
+def interleaved_rows(mlp: tuple[str, ...], gpt: tuple[str, ...]) -> list[Row]:
+    """trainer / bare with the two loops' windows alternating in one process (bench/interleaved.py):
+    the per-step cost of the stack, each trainer window paired with the bare window right after
+    it, so the machine's drift between and within runs leaves the ratio."""
+    group = "trainer / bare, windows alternating in one process"
+    return [
+        Row(INTERLEAVED[0], "interleaved", mlp, 1, metric="ratio", group=group),
+        Row(INTERLEAVED[1], "interleaved", mlp, 2, metric="ratio", group=group),
+        Row(INTERLEAVED[2], "interleaved", gpt, 1, threads=2, metric="ratio", group=group),
+        Row(INTERLEAVED[3], "interleaved", gpt, 2, threads=1, metric="ratio", group=group),
+    ]
+
+
+INTERLEAVED = (
+    "MLP trainer / bare, 1 process, alternating",
+    "MLP trainer / bare, 2 processes, alternating",
+    "GPT trainer / bare, 1 process x 2 threads, alternating",
+    "GPT trainer / bare, 2 processes x 1 thread, alternating",
+)
+
+
+# (ratio, numerator row, denominator row, target): ratios of the rows' medians; a denominator of
+# None: the numerator row is a ratio itself (an interleaved row: its window pairs' statistic).
 def ckpt_rows() -> list[Row]:
     """The stall of each scheduled save (the final one, always in place, left out)."""
     base, group = tuple(CKPT_BASE), "checkpoint stall per save, GPT 39M, 2 processes"
@@ -332,6 +355,7 @@ CKPT_RATIOS = [
 
 CPU_RATIOS = [
     ("trainer / bare, world 1", "trainer, 1 process", "bare loop, 1 process", 0.97),
+    *((name, name, None, 0.97) for name in INTERLEAVED),
     (
         "trainer / bare, world 2",
         "trainer, 2 processes (DDP, gloo)",
@@ -622,22 +646,28 @@ def ratios(summaries: dict[str, dict], specs: list) -> dict[str, dict]:
     left out."""
     out = {}
     for name, num, den, target in specs:
-        if num not in summaries or den not in summaries:
+        if num not in summaries or (den is not None and den not in summaries):
             continue
-        a, b = summaries[num], summaries[den]
-        per_rep = [x / y for x, y in zip(a["values"], b["values"], strict=False) if y]
+        a = summaries[num]
+        if den is None:  # a ratio row: its runs' ratios, its window pairs over all runs
+            value, per_rep, pairs = a["median"], a["values"], a.get("pairs") or a["values"]
+        else:
+            b = summaries[den]
+            value = a["median"] / b["median"]
+            per_rep = [x / y for x, y in zip(a["values"], b["values"], strict=False) if y]
+            pairs = per_rep
         at_most = isinstance(target, tuple)  # ("<=", x): lower is better
         if at_most:
             target = target[1]
         out[name] = {
-            "value": a["median"] / b["median"],
+            "value": value,
             "per_rep_min": min(per_rep) if per_rep else None,
             "per_rep_max": max(per_rep) if per_rep else None,
             "numerator": num,
             "denominator": den,
             "target": target,
             "at_most": at_most,
-            **paired(per_rep),
+            **paired(pairs),
         }
     return out
 
@@ -668,7 +698,7 @@ def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict
         s = summaries.get(row.name)
         if s is None:
             continue
-        fmt = "{:10,.0f}" if row.unit == "samples/s" else "{:10.2f}"
+        fmt = {"samples/s": "{:10,.0f}", "x": "{:10.3f}"}.get(row.unit, "{:10.2f}")
         cells = " ".join(fmt.format(s[k]) for k in ("median", "min", "max"))
         lines.append(f"  {row.name:44} {cells}  {row.unit:9} {s['n']:2d}")
     lines.append(
@@ -745,6 +775,8 @@ def run_row(row: Row, work: Path, timeout: float | None = None, launch=_run) -> 
         cmd = [str(Path(sys.executable).with_name("trainer")), "--help"]
         _, wall, _ = launch(cmd, row.threads, timeout)
         return {"value": wall, "wall_s": wall, "command": " ".join(cmd)}
+    if row.kind == "interleaved":
+        return _run_interleaved(row, work, timeout, launch)
     if row.kind == "bare":
         steps = _override(row.overrides, "train.max_steps")
         every = _override(row.overrides, "log.every_steps")
@@ -782,6 +814,38 @@ def run_row(row: Row, work: Path, timeout: float | None = None, launch=_run) -> 
     if result["value"] is None:
         raise SystemExit(f"benchmark row {row.name!r} measured no {row.metric}")
     return result
+
+
+def window_pairs(trainer: list[dict], bare: list[list], skip: int = SKIP_WINDOWS) -> list[float]:
+    """trainer / bare of each trainer window (a train record: step, samples_per_s) and the bare
+    window run right after it (bench/interleaved.py: [step, samples_per_s]), the first `skip`
+    pairs (warm-up) left out."""
+    after = {int(step): rate for step, rate in bare}
+    pairs = [r["samples_per_s"] / after[r["step"]] for r in trainer if r["step"] in after]
+    return pairs[skip:] if len(pairs) > skip else pairs[-1:]
+
+
+def _run_interleaved(row: Row, work: Path, timeout: float | None, launch) -> dict:
+    run_dir, out = work / f"run-{time.monotonic_ns()}", work / f"bare-{time.monotonic_ns()}.json"
+    script = str(ROOT / "bench" / "interleaved.py")
+    cmd = [*_launcher(row.nproc), script, str(out), "train", *row.overrides, f"run_dir={run_dir}"]
+    _, wall, _ = launch(cmd, row.threads, timeout)
+    text = (run_dir / "metrics.jsonl").read_text()
+    records = [r for r in map(json.loads, text.splitlines()) if r.get("kind") == "train"]
+    bare = json.loads(out.read_text())["bare"]
+    pairs = window_pairs(records, bare)
+    if not pairs:
+        raise SystemExit(
+            f"benchmark row {row.name!r}: no trainer window was followed by a bare one"
+        )
+    return {
+        "value": math.exp(statistics.fmean(math.log(p) for p in pairs)),
+        "pairs": pairs,
+        "windows": [r["samples_per_s"] for r in records],
+        "bare_windows": bare,
+        "wall_s": wall,
+        "command": " ".join(cmd),
+    }
 
 
 def flops_per_sample(overrides: list[str]) -> float | None:
@@ -851,13 +915,16 @@ def run_suite(
             result["rep"] = rep
             result["load_avg_1m"] = os.getloadavg()[0]
             runs[row.name].append(result)
-            fmt = "{:12,.0f}" if row.unit == "samples/s" else "{:12.2f}"
+            fmt = {"samples/s": "{:12,.0f}", "x": "{:12.3f}"}.get(row.unit, "{:12.2f}")
             print(
                 f"  [{rep + 1}/{reps}] {row.name:44} {fmt.format(result['value'])} {row.unit}",
                 flush=True,
             )
     info["load_avg_after"] = os.getloadavg()
     summaries = {name: summarize([r["value"] for r in rs]) for name, rs in runs.items()}
+    for name, rs in runs.items():  # interleaved rows: every window pair of every repetition
+        if any("pairs" in r for r in rs):
+            summaries[name]["pairs"] = [p for r in rs for p in r["pairs"]]
     ratio_values = ratios(summaries, specs)
     try:
         fps = flops_per_sample([a for a in base if a not in ("--config", "digits-mlp")])
@@ -1020,8 +1087,8 @@ def _plot_ratios(ax, bars: list[dict]) -> None:
     top = max(max(b["hi"], b["ci"][1] if b.get("ci") else 0.0) for b in bars)
     ax.set_xlim(0, max(1.1, top * 1.15))
     ax.set_title(
-        "ratios of medians (whiskers: per-rep range; orange: paired 90% interval; tick: target; "
-        "green: met, red: missed)",
+        "ratios of medians (whiskers: per-rep range; orange: paired 90% interval;\n"
+        "tick: target; green: met, red: missed)",
         fontsize=9,
         loc="left",
     )
@@ -1080,10 +1147,14 @@ def _plot(report: dict, path: Path) -> None:
         ax.barh([r["name"] for r in rs], med, xerr=err, color=colors, capsize=3, height=0.6)
         unit = rs[0]["unit"]
         for y, r in enumerate(rs):
-            label = f"{r['median']:,.0f}" if unit == "samples/s" else f"{r['median']:.2f} s"
+            label = {"samples/s": f"{r['median']:,.0f}", "x": f"{r['median']:.3f}"}.get(
+                unit, f"{r['median']:.2f} s"
+            )
             ax.text(r["max"], y, "  " + label, va="center", fontsize=8)
         ax.set_xlim(0, max(r["max"] for r in rs) * 1.18)
-        what = "steady-state samples/s" if unit == "samples/s" else "seconds"
+        what = {"samples/s": "steady-state samples/s", "x": "trainer / bare per window pair"}.get(
+            unit, "seconds"
+        )
         ax.set_title(f"{group}: {what} (bar: median, whiskers: min-max)", fontsize=9, loc="left")
         ax.tick_params(axis="y", labelsize=8)
         ax.tick_params(axis="x", labelsize=8)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,16 +118,18 @@ def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
         names = {r.name for r in rows}
         assert len(names) == len(rows)
         for _, num, den, _ in specs:
-            assert num in names and den in names
+            assert num in names and (den in names or den is None)
     for row in bench.cpu_rows():
         q = bench.quick(row)
         if row.kind != "help":
             assert bench._override(q.overrides, "train.max_steps") <= 60
     gpt = {r.name: r for r in bench.cpu_rows()}
     for world, threads in ((1, 2), (2, 1)):  # the bare GPT loops run as the trainer rows do
-        bare, ours = (r for r in bench.cpu_rows() if r.name.startswith("GPT") and r.nproc == world)
-        assert bare.kind == "bare" and ours.kind == "trainer"
-        assert bare.overrides == ours.overrides and bare.threads == ours.threads == threads
+        rows = [r for r in bench.cpu_rows() if r.name.startswith("GPT") and r.nproc == world]
+        bare, ours, both = rows
+        assert (bare.kind, ours.kind, both.kind) == ("bare", "trainer", "interleaved")
+        assert bare.overrides == ours.overrides == both.overrides
+        assert bare.threads == ours.threads == both.threads == threads
     assert gpt["GPT trainer, 1 process x 2 threads"].threads == 2
     assert gpt["GPT trainer, 2 processes x 1 thread"].nproc == 2
     assert gpt["GPT trainer, 2 processes x 1 thread"].threads == 1
@@ -291,3 +294,48 @@ def test_the_docs_quote_the_committed_invariant_and_loader_results(section, resu
         assert quoted[name][:2] == [f"{r['value']:.3f}", spread], name
         checked += 1
     assert checked == len(report["rows"]) + len(report["ratios"])
+
+
+def _load_interleaved():
+    spec = importlib.util.spec_from_file_location("interleaved", ROOT / "bench" / "interleaved.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_interleaved_bare_windows_leave_the_trainers_run_bit_for_bit(
+    reference_runs, tmp_path, monkeypatch
+):
+    """bench/interleaved.py in this process: a bare window (as many steps) after each trainer
+    window, and the trainer's losses and weights equal a plain run's with dropout: the bare loop's
+    model init and permutation draw from an RNG of their own."""
+    from tests.helpers import REFERENCE, train_here, train_losses, weights
+    from trainer import loop
+
+    dropout = "model.dropout=0.1"
+    reference = reference_runs(1, dropout)  # made (in this process, maybe) before the wrapping
+    monkeypatch.setattr(loop, "_log_train", loop._log_train)  # put back after the test
+    windows: list = []
+    _load_interleaved().interleave(loop, windows)
+    train_here("train", *REFERENCE, "model.kwargs.delay=0", dropout, f"run_dir={tmp_path}")
+    losses = train_losses(tmp_path)
+    assert [step for step, _ in windows] == sorted(losses) and len(windows) == 69
+    assert all(rate > 0 for _, rate in windows)
+    assert losses == train_losses(reference)
+    mine, theirs = weights(tmp_path), weights(reference)
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)
+
+
+def test_a_window_pair_is_a_trainer_window_over_the_bare_window_after_it():
+    trainer = [{"step": s, "samples_per_s": r} for s, r in ((10, 50.0), (20, 90.0), (30, 99.0))]
+    trainer += [{"step": 40, "samples_per_s": 80.0}, {"step": 45, "samples_per_s": 1.0}]
+    bare = [[10, 100.0], [20, 100.0], [30, 100.0], [40, 100.0]]  # none after the last record
+    assert bench.window_pairs(trainer, bare, skip=1) == [0.9, 0.99, 0.8]
+    assert bench.window_pairs(trainer[:1], bare, skip=2) == [0.5]  # too short to skip: the last
+    summaries = {"r": {**bench.summarize([0.9, 1.0]), "pairs": [0.9, 0.9, 1.0, 1.0]}}
+    (ratio,) = bench.ratios(summaries, [("r", "r", None, 0.97)]).values()
+    assert ratio["value"] == pytest.approx(0.95) and ratio["target"] == 0.97
+    assert ratio["paired"] == pytest.approx(math.sqrt(0.9)) and ratio["ci90_lo"] < ratio["paired"]
+    rows = [r for r in bench.cpu_rows() if r.kind == "interleaved"]
+    assert [r.name for r in rows] == list(bench.INTERLEAVED) and {r.unit for r in rows} == {"x"}
+    assert {name for name, _, den, _ in bench.CPU_RATIOS if den is None} == set(bench.INTERLEAVED)
