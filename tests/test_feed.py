@@ -1,6 +1,8 @@
 """Batch delivery: augmentation from (seed, epoch, index) only; host, worker and device-resident
 paths give identical batches; an empty rank share keeps the batch's shape."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -165,3 +167,43 @@ def test_device_resident_on_gpu_copies_once_and_matches_the_cpu_batches():
     assert host.loader.pin_memory
     h = _epoch(host, plan, 1)
     _assert_same([(x.cpu(), y.cpu(), n) for x, y, n in h], c, tol=1e-6)
+
+
+class _Rows:
+    """A split that is not an ArrayDataset: take() may depend on the whole batch asked for."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __len__(self):
+        return len(self.inner)
+
+    def take(self, idx):
+        return self.inner.take(idx)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_device_resident_array_gathers_several_steps_in_one_take(world, monkeypatch):
+    """The same batches as one take a step (the host path), from any step on, while an
+    ArrayDataset's takes each serve several steps (here 3, by TAKE_BYTES); another split keeps
+    one take a step."""
+    host = data.build(_cfg(augment=True), seed=0)
+    resident = data.build(_cfg(augment=True, device_resident=True), seed=0, device="cpu")
+    row = sum(t[0].numel() * t.element_size() for t in (resident.train.x, resident.train.y))
+    monkeypatch.setattr(data, "TAKE_BYTES", 3 * 4 * row)  # 3 steps of 4 samples a rank
+    plan = EpochPlan(n=len(host.train), global_batch=4 * world, seed=3, epoch=1)
+    expected, takes, take = _epoch(host, plan, 1), [], type(resident.train).take
+    monkeypatch.setattr(
+        type(resident.train), "take", lambda s, i: takes.append(len(i)) or take(s, i)
+    )
+    _assert_same(_epoch(resident, plan, world), expected)
+    steps = len(plan)  # 37 samples: 9 steps of 4 and a tail at world 1, 4 of 8 and a tail at 2
+    assert takes == ([12, 12, 12, 1] if world == 1 else [12, 6, 12, 7]), takes  # 3 steps a take
+    later = list(_train_batches(resident, plan, 0, world, 2))  # a resumed epoch: from step 2 on
+    whole = list(_train_batches(resident, plan, 0, world))[2:]
+    assert [s for s, *_ in later] == [s for s, *_ in whole]
+    for (_, xa, ya, _), (_, xb, yb, _) in zip(later, whole, strict=True):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    other = dataclasses.replace(resident, train=_Rows(resident.train))
+    takes.clear()
+    assert len(list(_train_batches(other, plan, 0, 1))) == steps and len(takes) == steps

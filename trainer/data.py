@@ -269,26 +269,67 @@ def train_batches(
     batch of 0 samples (x of shape (0, *in_shape)).
     """
     opts = spec.loader
-    pad = opts.crop_padding if opts.augment else None
-    to_float = _float_converter(spec.train, opts.device)
     if opts.device_resident:
-        order = torch.from_numpy(plan.order()).to(opts.device)  # one copy per epoch
-        first = True
-        for step, lo, hi, count in plan.rank_spans(rank, world_size, start):
-            idx = order[lo:hi]
-            batch = spec.train.take(idx)
-            if first:  # the contract, once per pass: not a cost on every step
-                first = _checked(spec.train, "train", idx, batch, opts.device) is None
-            if pad is not None:
-                batch = (crop_flip(batch[0], idx, plan.seed, plan.epoch, pad), *batch[1:])
-            yield step, to_float(batch), count
+        yield from _resident_batches(spec, plan, rank, world_size, start)
         return
+    to_float = _float_converter(spec.train, opts.device)
     steps = list(plan.rank_batches(rank, world_size, start))
     keys = [(plan.seed, plan.epoch, idx) for _, idx, _ in steps]
     for (step, _, count), batch in zip(
         steps, _fetched(spec, "train", rank, world_size, keys), strict=True
     ):
         yield step, to_float(_to_device(batch, opts)), count
+
+
+TAKE_BYTES = 16 << 20
+"""A device-resident ArrayDataset's rows for consecutive steps are gathered in one take of up to
+this many bytes (at most TAKE_STEPS steps), each step's batch a view of them."""
+TAKE_STEPS = 64
+
+
+def _resident_batches(
+    spec: DataSpec, plan: sampler.EpochPlan, rank: int, world_size: int, start: int
+) -> Iterator[tuple[int, batches.Batch, int]]:
+    """train_batches of a device-resident split: the epoch order copied to the device once,
+    each step's batch its rows of the split. Several steps' rows come from one take where the
+    split is an ArrayDataset (steps_per_take): one gather where each step made a slice and a
+    gather of every tensor, which on a small model's step cost more than the gathering itself
+    (the same rows, the same bits)."""
+    opts, split = spec.loader, spec.train
+    pad = opts.crop_padding if opts.augment else None
+    to_float = _float_converter(split, opts.device)
+    order = torch.from_numpy(plan.order()).to(opts.device)  # one copy per epoch
+    spans = list(plan.rank_spans(rank, world_size, start))
+    per = steps_per_take(split, spans)
+    first = True
+    for g in range(0, len(spans), per):
+        group = spans[g : g + per]
+        lo, hi = group[0][1], group[-1][2]
+        whole = hi - lo == sum(b - a for _, a, b, _ in group)  # one run of the order (world 1)
+        idx = order[lo:hi] if whole else torch.cat([order[a:b] for _, a, b, _ in group])
+        rows, at = split.take(idx), 0
+        for step, a, b, count in group:
+            if per == 1:
+                mine, batch = idx, rows
+            else:
+                mine, batch = idx[at : at + b - a], batches.cut(rows, at, at + b - a)
+                at += b - a
+            if first:  # the contract, once per pass: not a cost on every step
+                first = _checked(split, "train", mine, batch, opts.device) is None
+            if pad is not None:
+                batch = (crop_flip(batch[0], mine, plan.seed, plan.epoch, pad), *batch[1:])
+            yield step, to_float(batch), count
+
+
+def steps_per_take(split: Split, spans: list) -> int:
+    """How many consecutive steps' rows one take gathers: 1 (a split's take may depend on the
+    whole batch it is asked for, padding to its longest sample, say), but for an ArrayDataset,
+    whose take gathers rows, as many as TAKE_BYTES of them hold (at most TAKE_STEPS)."""
+    if type(split) is not ArrayDataset or not spans or len(split) == 0:
+        return 1
+    row = sum(t[0].numel() * t.element_size() for t in (split.x, split.y))
+    widest = max(b - a for _, a, b, _ in spans)
+    return max(1, min(TAKE_STEPS, TAKE_BYTES // max(1, row * widest)))
 
 
 def eval_batches(
