@@ -1114,7 +1114,7 @@ def _device(machine: dict) -> str:
 
 def _save(plt, fig, title: str, path: Path) -> None:
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / fig.get_figheight()))  # room for the 2-line title
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -1152,7 +1152,7 @@ def _plot(report: dict, path: Path) -> None:
             )
             ax.text(r["max"], y, "  " + label, va="center", fontsize=8)
         ax.set_xlim(0, max(r["max"] for r in rs) * 1.18)
-        what = {"samples/s": "steady-state samples/s", "x": "trainer / bare per window pair"}.get(
+        what = {"samples/s": "steady-state samples/s", "x": "ratio"}.get(
             unit, "seconds"
         )
         ax.set_title(f"{group}: {what} (bar: median, whiskers: min-max)", fontsize=9, loc="left")
