@@ -1152,9 +1152,7 @@ def _plot(report: dict, path: Path) -> None:
             )
             ax.text(r["max"], y, "  " + label, va="center", fontsize=8)
         ax.set_xlim(0, max(r["max"] for r in rs) * 1.18)
-        what = {"samples/s": "steady-state samples/s", "x": "ratio"}.get(
-            unit, "seconds"
-        )
+        what = {"samples/s": "steady-state samples/s", "x": "ratio"}.get(unit, "seconds")
         ax.set_title(f"{group}: {what} (bar: median, whiskers: min-max)", fontsize=9, loc="left")
         ax.tick_params(axis="y", labelsize=8)
         ax.tick_params(axis="x", labelsize=8)
