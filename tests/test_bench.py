@@ -176,18 +176,26 @@ def test_the_ratio_panel_colours_each_ratio_by_its_target():
 @pytest.mark.slow  # ~25 s of processes; bench/ is not trainer code (make test-quick skips it)
 @pytest.mark.long
 def test_quick_suite_end_to_end(tmp_path):
-    """One repetition of the 1-process rows with a few steps each: JSON, PNG and table."""
+    """One repetition of the 1-process rows with a few steps each, and the interleaved row at
+    world 2 (the bare DDP loop in the trainer's process group): JSON, PNG and table."""
     cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "cpu", "--reps", "1"]
     cmd += ["--quick", "--out", str(tmp_path), "--row", "bare loop, 1 process", "--row"]
-    cmd += ["trainer, 1 process", "--only", "trainer --"]
+    cmd += ["trainer, 1 process", "--only", "trainer --", "--row", bench.INTERLEAVED[1]]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     report = json.loads((tmp_path / "cpu-cpu.json").read_text())
     names = [r["name"] for r in report["rows"]]
-    assert names == ["bare loop, 1 process", "trainer, 1 process", "trainer --help"]
+    assert names == [
+        "bare loop, 1 process",
+        "trainer, 1 process",
+        bench.INTERLEAVED[1],
+        "trainer --help",
+    ]
     for row in report["rows"]:
         assert row["n"] == 1 and row["median"] > 0
-    assert list(report["ratios"]) == ["trainer / bare, world 1"]
+    (run,) = report["rows"][2]["runs"]  # 60 steps: 6 windows of 10, the first 2 left out
+    assert len(run["bare_windows"]) == 6 and len(run["pairs"]) == 4
+    assert list(report["ratios"]) == ["trainer / bare, world 1", bench.INTERLEAVED[1]]
     assert (tmp_path / "cpu-cpu.png").stat().st_size > 0
     assert "trainer / bare, world 1" in p.stdout
 
