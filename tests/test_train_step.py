@@ -272,3 +272,40 @@ def test_evaluation_every_n_steps_or_epochs_and_always_at_the_end(tmp_path, ever
     evals = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
     assert [r["step"] for r in evals] == steps
     assert all(r["eval.count"] == 7 for r in evals)  # every test sample, each time
+
+
+class _DoubledInPlace(torch.autograd.Function):
+    """Identity forward; its backward doubles the incoming gradient in place (allowed, if rude)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.mul_(2)
+
+
+class _Doubled(Classification):
+    def __init__(self, in_place: bool):
+        self.in_place = in_place
+
+    def loss(self, output, batch):
+        summed = super().loss(output, batch)
+        return _DoubledInPlace.apply(summed) if self.in_place else summed * 2
+
+
+def test_backward_starts_from_the_loss_factor_and_survives_a_backward_that_changes_it():
+    """The step's backward starts from the factor (world / terms) itself, kept between steps:
+    a loss whose backward doubles that gradient in place trains exactly as loss x 2 does, step
+    after step (the kept factor is made again once changed)."""
+    x, y = _batch()
+    ref_step, ref = _setup()
+    ref_step.task = _Doubled(in_place=False)
+    step, model = _setup()
+    step.task = _Doubled(in_place=True)
+    for i in range(3):
+        batch = (x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+        step(batch, 8), ref_step(batch, 8)
+        mine, theirs = model.state_dict(), ref.state_dict()
+        assert all(torch.equal(mine[k], theirs[k]) for k in theirs), f"step {i + 1}"

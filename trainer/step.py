@@ -118,14 +118,18 @@ class TrainStep:
 
         Without a loss scaler the factor is the gradient backward starts from: the gradient
         (loss x factor).backward() would pass on, float32(factor), the same bits, without the
-        multiplication and its backward node (two tensor ops a micro-step)."""
+        multiplication and its backward node (two tensor ops a micro-step). A loss that is not
+        a plain tensor (a DTensor from a model's own tensor-parallel plan) takes the product."""
         if self.scaler.is_enabled():
             root, local = self._loss(batch, factor)
             root.backward()
             return local
         with self._autocast():
             local = self._summed(batch)
-        local.backward(self._start(factor, local))
+        if type(local) is not torch.Tensor:
+            (local * factor).backward()
+        else:
+            local.backward(self._start(factor, local))
         return local.detach()
 
     def _loss(self, batch, factor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,13 +147,15 @@ class TrainStep:
         return checked_loss(self.task, self.task.loss(out, batch))
 
     def _start(self, factor: float, like: torch.Tensor) -> torch.Tensor:
-        """`factor` as the 0-dim gradient backward starts from at `like` (made again only when
-        the factor changes: a tail batch, a task whose term count varies)."""
+        """`factor` as the 0-dim gradient backward starts from at `like`, made again when the
+        factor changes (a tail batch, a task whose term count varies) or when a backward changed
+        it in place (its version counter moved: a custom autograd Function may)."""
         key = (factor, like.dtype, like.device)
-        if self._start_key != key:
+        grad = self._start_grad
+        if self._start_key != key or grad is None or grad._version != 0:
             self._start_key = key
-            self._start_grad = torch.full((), factor, dtype=like.dtype, device=like.device)
-        return self._start_grad
+            grad = self._start_grad = torch.full((), factor, dtype=like.dtype, device=like.device)
+        return grad
 
     def _loss_for(self, terms: int):
         return lambda piece: self._loss(piece, 1.0 / terms)
