@@ -43,7 +43,9 @@ def interleave(loop_module, windows: list) -> None:
     def with_bare_window(run, losses, clock):
         steps = losses.window_steps  # read before the record resets the window
         result = log_train(run, losses, clock)
-        with clock.paused(), torch.random.fork_rng():  # the bare steps' dropout draws too
+        # Paused: the trainer's clock and its stall watchdog (as for an evaluation); forked: the
+        # RNG, for the bare steps' dropout draws too.
+        with clock.paused(), run.watchdog.paused(), torch.random.fork_rng():
             if "loop" not in built:
                 built["loop"], built["i"] = bare.build(run.cfg, run.total_steps), 0
             loop = built["loop"]
