@@ -120,14 +120,10 @@ class TrainStep:
         (loss x factor).backward() would pass on, float32(factor), the same bits, without the
         multiplication and its backward node (two tensor ops a micro-step). A loss that is not
         a plain tensor (a DTensor from a model's own tensor-parallel plan) takes the product."""
-        if self.scaler.is_enabled():
-            root, local = self._loss(batch, factor)
-            root.backward()
-            return local
         with self._autocast():
             local = self._summed(batch)
-        if type(local) is not torch.Tensor:
-            (local * factor).backward()
+        if self.scaler.is_enabled() or type(local) is not torch.Tensor:
+            self.scaler.scale(local * factor).backward()
         else:
             local.backward(self._start(factor, local))
         return local.detach()
