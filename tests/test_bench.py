@@ -16,15 +16,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_under_test", ROOT / "bench" / "bench.py")
+def _load(script: str):
+    """bench/<script>.py as a module of its own (the bench scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"{script}_under_test", ROOT / "bench" / f"{script}.py"
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses resolve the module by name
     spec.loader.exec_module(module)
     return module
 
 
-bench = _load_bench()
+bench = _load("bench")
 
 
 def test_steady_drops_the_warm_up_windows_and_takes_the_median():
@@ -228,9 +231,7 @@ def test_the_sweep_spans_ten_times_the_parameters_and_splits_each_step(tmp_path)
 def test_the_bare_loop_trains_the_gpt_the_nanogpt_way(capsys):
     """bench/bare.py on the GPT, in this process (world 1): random windows of the token stream,
     the schedule's lr set by hand, clipping; it reports its windows like the trainer."""
-    spec = importlib.util.spec_from_file_location("bare_under_test", ROOT / "bench" / "bare.py")
-    bare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bare)
+    bare = _load("bare")
     args = ["4", "2", "--config", "stdlib-gpt", "model.gpt.width=32", "model.gpt.heads=2"]
     args += ["data.text.max_train_bytes=20000", "data.text.max_test_bytes=4096", "dist.device=cpu"]
     assert bare.main([*args, "train.max_steps=4"]) == 0
@@ -304,13 +305,6 @@ def test_the_docs_quote_the_committed_invariant_and_loader_results(section, resu
     assert checked == len(report["rows"]) + len(report["ratios"])
 
 
-def _load_interleaved():
-    spec = importlib.util.spec_from_file_location("interleaved", ROOT / "bench" / "interleaved.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_interleaved_bare_windows_leave_the_trainers_run_bit_for_bit(
     reference_runs, tmp_path, monkeypatch
 ):
@@ -324,7 +318,7 @@ def test_the_interleaved_bare_windows_leave_the_trainers_run_bit_for_bit(
     reference = reference_runs(1, dropout)  # made (in this process, maybe) before the wrapping
     monkeypatch.setattr(loop, "_log_train", loop._log_train)  # put back after the test
     windows: list = []
-    _load_interleaved().interleave(loop, windows)
+    _load("interleaved").interleave(loop, windows)
     train_here("train", *REFERENCE, "model.kwargs.delay=0", dropout, f"run_dir={tmp_path}")
     losses = train_losses(tmp_path)
     assert [step for step, _ in windows] == sorted(losses) and len(windows) == 69
