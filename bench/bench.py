@@ -692,14 +692,18 @@ def clears(ratio: dict) -> bool | None:
     return ratio["ci90_lo"] >= ratio["target"]
 
 
+def number(value: float, unit: str) -> str:
+    """A row's value as the table, the progress lines and the plot print it."""
+    return {"samples/s": f"{value:,.0f}", "x": f"{value:.3f}"}.get(unit, f"{value:.2f}")
+
+
 def format_table(rows: list[Row], summaries: dict[str, dict], ratio_values: dict) -> str:
     lines = [f"  {'row':44} {'median':>10} {'min':>10} {'max':>10}  unit       n"]
     for row in rows:
         s = summaries.get(row.name)
         if s is None:
             continue
-        fmt = {"samples/s": "{:10,.0f}", "x": "{:10.3f}"}.get(row.unit, "{:10.2f}")
-        cells = " ".join(fmt.format(s[k]) for k in ("median", "min", "max"))
+        cells = " ".join(f"{number(s[k], row.unit):>10}" for k in ("median", "min", "max"))
         lines.append(f"  {row.name:44} {cells}  {row.unit:9} {s['n']:2d}")
     lines.append(
         "ratios of medians (per-repetition range; paired: geometric mean of the per-repetition "
@@ -915,11 +919,8 @@ def run_suite(
             result["rep"] = rep
             result["load_avg_1m"] = os.getloadavg()[0]
             runs[row.name].append(result)
-            fmt = {"samples/s": "{:12,.0f}", "x": "{:12.3f}"}.get(row.unit, "{:12.2f}")
-            print(
-                f"  [{rep + 1}/{reps}] {row.name:44} {fmt.format(result['value'])} {row.unit}",
-                flush=True,
-            )
+            value = number(result["value"], row.unit)
+            print(f"  [{rep + 1}/{reps}] {row.name:44} {value:>12} {row.unit}", flush=True)
     info["load_avg_after"] = os.getloadavg()
     summaries = {name: summarize([r["value"] for r in rs]) for name, rs in runs.items()}
     for name, rs in runs.items():  # interleaved rows: every window pair of every repetition
@@ -1147,9 +1148,7 @@ def _plot(report: dict, path: Path) -> None:
         ax.barh([r["name"] for r in rs], med, xerr=err, color=colors, capsize=3, height=0.6)
         unit = rs[0]["unit"]
         for y, r in enumerate(rs):
-            label = {"samples/s": f"{r['median']:,.0f}", "x": f"{r['median']:.3f}"}.get(
-                unit, f"{r['median']:.2f} s"
-            )
+            label = number(r["median"], unit) + (" s" if unit == "s" else "")
             ax.text(r["max"], y, "  " + label, va="center", fontsize=8)
         ax.set_xlim(0, max(r["max"] for r in rs) * 1.18)
         what = {"samples/s": "steady-state samples/s", "x": "ratio"}.get(unit, "seconds")
