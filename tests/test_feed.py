@@ -182,14 +182,17 @@ class _Rows:
         return self.inner.take(idx)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_a_device_resident_array_gathers_several_steps_in_one_take(world, monkeypatch):
+@pytest.mark.parametrize("world, augment", [(1, True), (2, True), (1, False), (2, False)])
+def test_a_device_resident_array_gathers_several_steps_in_one_take(world, augment, monkeypatch):
     """The same batches as one take a step (the host path), from any step on, while an
-    ArrayDataset's takes each serve several steps (here 3, by TAKE_BYTES); another split keeps
+    ArrayDataset's takes each serve several steps (here 3, by TAKE_BYTES, which counts the
+    pixels as float: without augmentation a take is converted at once); another split keeps
     one take a step."""
-    host = data.build(_cfg(augment=True), seed=0)
-    resident = data.build(_cfg(augment=True, device_resident=True), seed=0, device="cpu")
-    row = sum(t[0].numel() * t.element_size() for t in (resident.train.x, resident.train.y))
+    host = data.build(_cfg(augment=augment), seed=0)
+    resident = data.build(_cfg(augment=augment, device_resident=True), seed=0, device="cpu")
+    x, y = resident.train.x, resident.train.y
+    assert x.dtype == torch.uint8
+    row = x[0].numel() * 4 + y[0].numel() * y.element_size()
     monkeypatch.setattr(data, "TAKE_BYTES", 3 * 4 * row)  # 3 steps of 4 samples a rank
     plan = EpochPlan(n=len(host.train), global_batch=4 * world, seed=3, epoch=1)
     expected, takes, take = _epoch(host, plan, 1), [], type(resident.train).take

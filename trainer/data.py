@@ -283,7 +283,7 @@ def train_batches(
 
 TAKE_BYTES = 16 << 20
 """A device-resident ArrayDataset's rows for consecutive steps are gathered in one take of up to
-this many bytes (at most TAKE_STEPS steps), each step's batch a view of them."""
+this many bytes once converted to float (at most TAKE_STEPS steps), each step's batch a view."""
 TAKE_STEPS = 64
 
 
@@ -294,7 +294,8 @@ def _resident_batches(
     each step's batch its rows of the split. Several steps' rows come from one take where the
     split is an ArrayDataset (steps_per_take): one gather where each step made a slice and a
     gather of every tensor, which on a small model's step cost more than the gathering itself
-    (the same rows, the same bits)."""
+    (the same rows, the same bits). Without augmentation a take is converted to float at once
+    (pixels_to_float is elementwise: the same bits as each step's own conversion)."""
     opts, split = spec.loader, spec.train
     pad = opts.crop_padding if opts.augment else None
     to_float = _float_converter(split, opts.device)
@@ -307,27 +308,39 @@ def _resident_batches(
         lo, hi = group[0][1], group[-1][2]
         whole = hi - lo == sum(b - a for _, a, b, _ in group)  # one run of the order (world 1)
         idx = order[lo:hi] if whole else torch.cat([order[a:b] for _, a, b, _ in group])
-        rows, at = split.take(idx), 0
-        for step, a, b, count in group:
-            if per == 1:
-                mine, batch = idx, rows
-            else:
-                mine, batch = idx[at : at + b - a], batches.cut(rows, at, at + b - a)
-                at += b - a
-            if first:  # the contract, once per pass: not a cost on every step
-                first = _checked(split, "train", mine, batch, opts.device) is None
-            if pad is not None:
-                batch = (crop_flip(batch[0], mine, plan.seed, plan.epoch, pad), *batch[1:])
+        rows = split.take(idx)
+        if first:  # the contract, once per pass: not a cost on every step
+            first = _checked(split, "train", idx, rows, opts.device) is None
+        if pad is None:  # one conversion a take (elementwise: the same bits as per step)
+            yield from _views(to_float(rows), group)
+            continue
+        for step, (mine, batch), count in _views((idx, rows), group):
+            batch = (crop_flip(batch[0], mine, plan.seed, plan.epoch, pad), *batch[1:])
             yield step, to_float(batch), count
+
+
+def _views(rows: batches.Batch, group: list) -> Iterator[tuple[int, batches.Batch, int]]:
+    """Each step of `group` (rank spans) with its consecutive rows of `rows` (views; a take of
+    one step is its batch)."""
+    if len(group) == 1:
+        step, _, _, count = group[0]
+        yield step, rows, count
+        return
+    at, flat = 0, type(rows) is tuple and all(type(t) is torch.Tensor for t in rows)
+    for step, a, b, count in group:
+        hi = at + b - a  # an ArrayDataset's (x, y): sliced here, not through batches.cut's walk
+        yield step, tuple([t[at:hi] for t in rows]) if flat else batches.cut(rows, at, hi), count
+        at = hi
 
 
 def steps_per_take(split: Split, spans: list) -> int:
     """How many consecutive steps' rows one take gathers: 1 (a split's take may depend on the
     whole batch it is asked for, padding to its longest sample, say), but for an ArrayDataset,
-    whose take gathers rows, as many as TAKE_BYTES of them hold (at most TAKE_STEPS)."""
+    whose take gathers rows, as many as TAKE_BYTES of them hold as float (at most TAKE_STEPS)."""
     if type(split) is not ArrayDataset or not spans or len(split) == 0:
         return 1
-    row = sum(t[0].numel() * t.element_size() for t in (split.x, split.y))
+    pixel = 4 if split.x.dtype == torch.uint8 else split.x.element_size()  # pixels_to_float's
+    row = split.x[0].numel() * pixel + split.y[0].numel() * split.y.element_size()
     widest = max(b - a for _, a, b, _ in spans)
     return max(1, min(TAKE_STEPS, TAKE_BYTES // max(1, row * widest)))
 
