@@ -55,10 +55,10 @@ class Task:
     def forward(self, model: torch.nn.Module, batch) -> Any:
         """The model's output for `batch`: model(batch) for a tensor, model(batch[0]) for an
         (inputs, targets) tuple, model(**batch) for a dict."""
+        if isinstance(batch, (tuple, list)):  # first: a Mapping check is a call into abc
+            return model(batch[0])
         if isinstance(batch, Mapping):
             return model(**batch)
-        if isinstance(batch, (tuple, list)):
-            return model(batch[0])
         return model(batch)
 
     def loss(self, output: Any, batch) -> torch.Tensor:
@@ -91,7 +91,15 @@ def _ratio(total: float, count: float) -> float:
     return total / count if count else math.nan
 
 
+def _fp32(output: torch.Tensor) -> torch.Tensor:
+    """The loss in fp32 whatever the compute dtype (FSDP's bf16 parameters give bf16 outputs);
+    an fp32 output as it is (.float() on one is still a dispatched op)."""
+    return output if output.dtype == torch.float32 else output.float()
+
+
 def _target(batch):
+    if isinstance(batch, (tuple, list)):  # first: a Mapping check is a call into abc
+        return batch[1]
     return batch["y"] if isinstance(batch, Mapping) else batch[1]
 
 
@@ -101,8 +109,7 @@ class Classification(Task):
     name = "classification"
 
     def loss(self, output, batch):
-        # In fp32 whatever the compute dtype (FSDP's bf16 parameters give bf16 outputs).
-        return F.cross_entropy(output.float(), _target(batch), reduction="sum")
+        return F.cross_entropy(_fp32(output), _target(batch), reduction="sum")
 
     def metrics(self, output, batch):
         y = _target(batch)
@@ -123,7 +130,7 @@ class Regression(Task):
         self.target_scale = target_scale
 
     def loss(self, output, batch):
-        output, y = output.float(), _target(batch)
+        output, y = _fp32(output), _target(batch)
         return F.mse_loss(output, y.reshape(output.shape).to(output.dtype), reduction="sum")
 
     def metrics(self, output, batch):
@@ -377,6 +384,13 @@ def dtype_mismatch(task: Task, model: torch.nn.Module, batch, e: BaseException) 
 
 def checked_loss(task: Task, value) -> torch.Tensor:
     """The loss a task returned, if it is a 0-dim float tensor that depends on the model."""
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dim() == 0
+        and value.is_floating_point()
+        and (value.requires_grad or not torch.is_grad_enabled())
+    ):
+        return value  # the checks of every step, in one expression (the errors: below)
     who = f"{type(task).__name__}.loss"
     if not isinstance(value, torch.Tensor):
         raise UsageError(
