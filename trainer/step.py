@@ -12,6 +12,8 @@ rank with an empty slice contributes zero and still joins the gradient all-reduc
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import re
 import warnings
 from dataclasses import dataclass, field
@@ -71,6 +73,12 @@ class TrainStep:
     _start_key: tuple | None = field(default=None, repr=False)
     _start_grad: torch.Tensor | None = field(default=None, repr=False)
 
+    def __post_init__(self) -> None:
+        # Read once: a step asked the scaler and the precision's dtype twice (~1% of a small
+        # model's step went to such calls, all of them run cold after the step's kernels).
+        self._fp16 = self.scaler.is_enabled()
+        self._dtype = _DTYPES[self.cfg.precision]
+
     def _chunks(self, batch) -> list:
         return batches.split(batch, self.cfg.micro_batch_size)
 
@@ -89,13 +97,15 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         chunks = self._chunks(batch)
         terms = self._global_terms(global_count, lambda: chunks, index)
-        total = None
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1
-            with contextlib.nullcontext() if last else self.strategy.no_sync(self.model):
-                # Sum of losses x world / global terms: after the gradient average, sum / terms.
-                local = self._backward(chunk, self.world_size / terms)
-            total = local if total is None else total + local
+        # Sum of losses x world / global terms: after the gradient average, sum / terms.
+        factor = self.world_size / terms
+        *early, last = chunks
+        sums = []
+        for chunk in early:  # accumulated without the gradient all-reduce
+            with self.strategy.no_sync(self.model):
+                sums.append(self._backward(chunk, factor))
+        sums.append(self._backward(last, factor))  # the gradient all-reduce (DDP)
+        total = functools.reduce(operator.add, sums)  # in micro-step order
         self._update()
         return total / terms if self.contributes else torch.zeros_like(total)
 
@@ -120,9 +130,12 @@ class TrainStep:
         (loss x factor).backward() would pass on, float32(factor), the same bits, without the
         multiplication and its backward node (two tensor ops a micro-step). A loss that is not
         a plain tensor (a DTensor from a model's own tensor-parallel plan) takes the product."""
-        with self._autocast():
+        if self._dtype is None:  # fp32: no autocast context at all (_autocast)
             local = self._summed(batch)
-        if self.scaler.is_enabled() or type(local) is not torch.Tensor:
+        else:
+            with self._autocast():
+                local = self._summed(batch)
+        if self._fp16 or type(local) is not torch.Tensor:
             self.scaler.scale(local * factor).backward()
         else:
             local.backward(self._start(factor, local))
@@ -159,10 +172,9 @@ class TrainStep:
     def _autocast(self):
         """bf16/fp16 autocast; no context at all in fp32 (a disabled autocast still costs ~30 us
         a step, 1% of a small model's)."""
-        dtype = _DTYPES[self.cfg.precision]
-        if dtype is None:
+        if self._dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(torch.device(self.device).type, dtype=dtype)
+        return torch.autocast(torch.device(self.device).type, dtype=self._dtype)
 
     def _world_invariant(self, batch, global_count: int, index: int) -> torch.Tensor:
         """Each of this rank's shards on its own, then the fixed tree over all shards; the same
@@ -200,7 +212,7 @@ class TrainStep:
         if self.cfg.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
             self._clip()
-        if not self.scaler.is_enabled():
+        if not self._fp16:
             self.optimizer.step()
             self.scheduler.step()
             return
