@@ -149,6 +149,32 @@ def test_onecycle_and_warmup_schedules():
     assert (step(19), step(20), step(40)) == (1.0, 0.5, 0.25)
 
 
+@pytest.mark.parametrize("tensor_lr", [False, True])
+def test_the_schedule_sets_what_lambdalr_sets(tensor_lr):
+    """ScheduleLR's own step: the same lrs on every group, last lrs and state dict as torch's
+    LambdaLR, step by step through warm-up and decay (a tensor lr: torch's step, filled in
+    place), and a state dict either loads."""
+
+    def sgd():
+        groups = [{"params": [torch.nn.Parameter(torch.ones(2))]}]
+        groups.append({"params": [torch.nn.Parameter(torch.ones(2))], "lr": 0.3})
+        return torch.optim.SGD(groups, lr=torch.tensor(0.01) if tensor_lr else 0.01)
+
+    cfg = config.load(None, ["sched.name=cosine", "sched.warmup_steps=5"])
+    opt, ref_opt = sgd(), sgd()
+    ours = build_scheduler(cfg.sched, opt, 10, 40)
+    ref = torch.optim.lr_scheduler.LambdaLR(ref_opt, ours.lr_lambdas[0])
+    assert type(ours).step is not type(ref).step
+    for _ in range(40):
+        ref_opt.step(), opt.step(), ref.step(), ours.step()
+        assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups]
+        assert ours.get_last_lr() == ref.get_last_lr()
+    assert ours.state_dict().keys() == ref.state_dict().keys()
+    ref.load_state_dict(ours.state_dict())
+    ours.load_state_dict(ref.state_dict())
+    assert ours.last_epoch == ref.last_epoch == 40
+
+
 def test_channels_last_conv_step_matches():
     """train.channels_last: build() lays the model out channels-last and the step its input
     (3 channels: with 1 the two layouts are the same strides); the numbers do not change."""
