@@ -33,6 +33,33 @@ def test_periodic_saves_never_duplicate_the_final_one():
     assert not should_save(CkptConfig(every_steps=0, every_epochs=0), step=5, total_steps=12)
 
 
+def _falls_due(cfg, s: int, total: int) -> bool:
+    return (
+        s == total
+        or should_log(cfg.log.every_steps, s, total)
+        or should_eval(cfg.train, step=s)
+        or should_save(cfg.ckpt, step=s, total_steps=total)
+    )
+
+
+def test_the_steps_before_next_due_need_no_record_evaluation_or_save():
+    """next_due: the loop skips the record, evaluation and save checks before it, so no step
+    before it may be one of theirs, and it is one (or the last step), from any step on."""
+    from trainer.config import Config, LogConfig
+
+    cases = [(10, 0, 0, 23), (4, 6, 0, 30), (7, 0, 5, 40), (50, 15, 12, 100), (1, 0, 0, 5)]
+    for log_every, eval_every, save_every, total in cases:
+        cfg = Config(
+            log=LogConfig(every_steps=log_every),
+            train=TrainConfig(eval_every_steps=eval_every),
+            ckpt=CkptConfig(every_steps=save_every),
+        )
+        for step in range(total):
+            due = loop.next_due(cfg, step, total)
+            first = min(s for s in range(step + 1, total + 1) if _falls_due(cfg, s, total))
+            assert due == first, (cfg, step, due)
+
+
 def test_the_clock_counts_earlier_segments_and_leaves_pauses_out(monkeypatch):
     now = [100.0]
     monkeypatch.setattr("trainer.loop.time.perf_counter", lambda: now[0])

@@ -24,7 +24,7 @@ from trainer.checkpoint.manager import (
     METRICS_FAILED,
     Reason,
 )
-from trainer.config import CkptConfig, TrainConfig
+from trainer.config import CkptConfig, Config, TrainConfig
 from trainer.diagnostics import straggler_line
 from trainer.errors import Preempted
 from trainer.evaluate import evaluate
@@ -121,30 +121,52 @@ def train_loop(run: Run) -> None:
 
 def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: StopVote) -> None:
     """The steps of this epoch from run.state on, each followed by what falls due after it."""
-    cfg, state = run.cfg, run.state
+    state = run.state
     batches = data.train_batches(
         run.data, plan, run.mesh.data_rank, run.mesh.data_size, state.step_in_epoch
     )
+    due = next_due(run.cfg, state.step, run.total_steps)
     for _, batch, count in clock.timed(batches):  # batches are on the device already
         losses.add(run.step(batch, count, state.step), count)
         state.step += 1
         run.watchdog.beat(state.step)
         state.step_in_epoch += 1
         state.samples_seen += count
-        run.log.tick(state.step, epoch_of(state))
-        minutes_due = False
-        if should_log(cfg.log.every_steps, state.step, run.total_steps):
-            vote.every, minutes_due = _log_train(run, losses, clock)
-        if should_eval(cfg.train, step=state.step):
-            _evaluate(run, clock)
-        _stop_if_asked(run, clock, vote.poll(state.step))
-        if run.finished:
+        run.log.tick(state.step, state.epoch + 1)  # epoch_of(state) within an epoch
+        if state.step < due:  # no record, evaluation or save: only a stop can fall due
+            if vote.poll(state.step):
+                _stop_if_asked(run, clock, True)
+            continue
+        if _after_due_step(run, losses, clock, vote):
             return
-        reason = save_reason(
-            cfg.ckpt, step=state.step, total_steps=run.total_steps, minutes_due=minutes_due
-        )
-        if reason is not None:
-            _save(run, clock, reason)
+        due = next_due(run.cfg, state.step, run.total_steps)
+
+
+def next_due(cfg: Config, step: int, total_steps: int) -> int:
+    """The first step after `step` that may be followed by a record, an evaluation or a save
+    (their every_steps, the last step): the steps before it only look for a stop."""
+    periods = (cfg.log.every_steps, cfg.train.eval_every_steps, cfg.ckpt.every_steps)
+    return min(total_steps, *(step - step % p + p for p in periods if p))
+
+
+def _after_due_step(run: Run, losses: LossSums, clock: TrainClock, vote: StopVote) -> bool:
+    """What falls due after this step, in order: the record, the evaluation, a stop, a save;
+    whether the run is finished."""
+    cfg, state = run.cfg, run.state
+    minutes_due = False
+    if should_log(cfg.log.every_steps, state.step, run.total_steps):
+        vote.every, minutes_due = _log_train(run, losses, clock)
+    if should_eval(cfg.train, step=state.step):
+        _evaluate(run, clock)
+    _stop_if_asked(run, clock, vote.poll(state.step))
+    if run.finished:
+        return True
+    reason = save_reason(
+        cfg.ckpt, step=state.step, total_steps=run.total_steps, minutes_due=minutes_due
+    )
+    if reason is not None:
+        _save(run, clock, reason)
+    return False
 
 
 def _end_epoch(run: Run, clock: TrainClock) -> None:

@@ -134,10 +134,11 @@ class StopVote:
         return max(1, min(MAX_EVERY, math.ceil(PERIOD_S / seconds_per_step)))
 
     def poll(self, step: int) -> bool:
-        if self.stop.requested and self.stop.noticed_step is None:
+        requested = self.stop.requested
+        if requested and self.stop.noticed_step is None:
             self.stop.noticed_step = step
         if self.group is None:  # one process (ranks.stop_group() exists only for several)
-            return self.stop.requested
+            return requested
         import torch.distributed as dist
 
         agreed = self.finish()
