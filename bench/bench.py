@@ -212,11 +212,7 @@ def cpu_rows() -> list[Row]:
             2,
             group=g_mlp,
         ),
-        Row("trainer, 1 process, world_invariant", "trainer", mlp + WI, group=g_mlp),
-        Row("trainer, 2 processes, world_invariant", "trainer", mlp + WI, 2, group=g_mlp),
-        Row("GPT bare loop, 1 process x 2 threads", "bare", gpt, 1, threads=2, group=g_gpt),
         Row("GPT trainer, 1 process x 2 threads", "trainer", gpt, 1, threads=2, group=g_gpt),
-        Row("GPT bare DDP loop, 2 processes x 1 thread", "bare", gpt, 2, threads=1, group=g_gpt),
         Row("GPT trainer, 2 processes x 1 thread", "trainer", gpt, 2, threads=1, group=g_gpt),
         *interleaved_rows(mlp, gpt),
         Row("trainer --help", "help", metric="wall_s", group=g_start),
@@ -353,14 +349,23 @@ CKPT_RATIOS = [
     ),
 ]
 
+# trainer / bare is measured with the two loops' windows alternating in one process (the
+# INTERLEAVED rows, target 0.97). Between two separate processes the same ratio also carries the
+# machine's drift from one process to the next (up to 1.6x on this repo's 2-core VM; identical
+# loops differ by 0.76-1.10 per repetition): the MLP's is kept, without a target, to show it.
 CPU_RATIOS = [
-    ("trainer / bare, world 1", "trainer, 1 process", "bare loop, 1 process", 0.97),
     *((name, name, None, 0.97) for name in INTERLEAVED),
     (
-        "trainer / bare, world 2",
+        "trainer / bare, world 1, separate processes",
+        "trainer, 1 process",
+        "bare loop, 1 process",
+        None,
+    ),
+    (
+        "trainer / bare, world 2, separate processes",
         "trainer, 2 processes (DDP, gloo)",
         "bare DDP loop, 2 processes (gloo)",
-        0.97,
+        None,
     ),
     (
         "default checkpoints / none, world 2",
@@ -387,34 +392,10 @@ CPU_RATIOS = [
         None,
     ),
     (
-        "GPT trainer / bare, world 1",
-        "GPT trainer, 1 process x 2 threads",
-        "GPT bare loop, 1 process x 2 threads",
-        0.97,
-    ),
-    (
-        "GPT trainer / bare, world 2",
-        "GPT trainer, 2 processes x 1 thread",
-        "GPT bare DDP loop, 2 processes x 1 thread",
-        0.97,
-    ),
-    (
         "GPT world 2 (1 thread) / world 1 (2 threads)",
         "GPT trainer, 2 processes x 1 thread",
         "GPT trainer, 1 process x 2 threads",
         0.90,
-    ),
-    (
-        "world_invariant / plain, world 1",
-        "trainer, 1 process, world_invariant",
-        "trainer, 1 process",
-        None,
-    ),
-    (
-        "world_invariant / plain, world 2",
-        "trainer, 2 processes, world_invariant",
-        "trainer, 2 processes (DDP, gloo)",
-        None,
     ),
 ]
 
@@ -488,11 +469,14 @@ WI2 = (*WI, "repro.shards=2")
 
 
 def invariant_rows() -> list[Row]:
-    """The CPU suite's world_invariant rows and the plain rows they are divided by, the MLP with
-    2 shards (a run that will never use more than 2 ranks), and the small GPT with 8 shards
-    against plain at one thread a process (world_invariant pins one intra-op thread)."""
+    """The digits MLP with world_invariant (8 shards, the default; 2 shards: a run that will
+    never use more than 2 ranks) and the CPU suite's plain rows they are divided by, and the
+    small GPT with 8 shards against plain at one thread a process (world_invariant pins one
+    intra-op thread)."""
     mlp, gpt, g_mlp, g_gpt = tuple(CPU_BASE), tuple(CPU_GPT), "digits MLP", "small GPT, 1 thread"
     extra = [
+        Row("trainer, 1 process, world_invariant", "trainer", mlp + WI, group=g_mlp),
+        Row("trainer, 2 processes, world_invariant", "trainer", mlp + WI, 2, group=g_mlp),
         Row("trainer, 1 process, world_invariant, 2 shards", "trainer", mlp + WI2, group=g_mlp),
         Row("trainer, 2 processes, world_invariant, 2 shards", "trainer", mlp + WI2, 2, group=g_mlp),
         Row("GPT trainer, 1 process x 1 thread", "trainer", gpt, 1, group=g_gpt),
@@ -505,7 +489,19 @@ def invariant_rows() -> list[Row]:
 
 
 INVARIANT_RATIOS = [
-    *CPU_RATIOS,
+    *(spec for spec in CPU_RATIOS if spec[0] == "MLP world 2 / world 1, trainer"),
+    (
+        "world_invariant / plain, world 1",
+        "trainer, 1 process, world_invariant",
+        "trainer, 1 process",
+        0.8,
+    ),
+    (
+        "world_invariant / plain, world 2",
+        "trainer, 2 processes, world_invariant",
+        "trainer, 2 processes (DDP, gloo)",
+        0.8,
+    ),
     (
         "world_invariant (2 shards) / plain, world 1",
         "trainer, 1 process, world_invariant, 2 shards",

@@ -127,12 +127,11 @@ def test_every_ratio_names_rows_of_its_suite_and_quick_shortens_runs():
         if row.kind != "help":
             assert bench._override(q.overrides, "train.max_steps") <= 60
     gpt = {r.name: r for r in bench.cpu_rows()}
-    for world, threads in ((1, 2), (2, 1)):  # the bare GPT loops run as the trainer rows do
+    for world, threads in ((1, 2), (2, 1)):  # trainer / bare alternating, as the trainer runs
         rows = [r for r in bench.cpu_rows() if r.name.startswith("GPT") and r.nproc == world]
-        bare, ours, both = rows
-        assert (bare.kind, ours.kind, both.kind) == ("bare", "trainer", "interleaved")
-        assert bare.overrides == ours.overrides == both.overrides
-        assert bare.threads == ours.threads == both.threads == threads
+        ours, both = rows
+        assert (ours.kind, both.kind) == ("trainer", "interleaved")
+        assert ours.overrides == both.overrides and ours.threads == both.threads == threads
     assert gpt["GPT trainer, 1 process x 2 threads"].threads == 2
     assert gpt["GPT trainer, 2 processes x 1 thread"].nproc == 2
     assert gpt["GPT trainer, 2 processes x 1 thread"].threads == 1
@@ -198,7 +197,8 @@ def test_quick_suite_end_to_end(tmp_path):
         assert row["n"] == 1 and row["median"] > 0
     (run,) = report["rows"][2]["runs"]  # 60 steps: 6 windows of 10, the first 2 left out
     assert len(run["bare_windows"]) == 6 and len(run["pairs"]) == 4
-    assert list(report["ratios"]) == ["trainer / bare, world 1", bench.INTERLEAVED[1]]
+    separate = "trainer / bare, world 1, separate processes"
+    assert list(report["ratios"]) == [bench.INTERLEAVED[1], separate]
     assert (tmp_path / "cpu-cpu.png").stat().st_size > 0
     assert "trainer / bare, world 1" in p.stdout
 
