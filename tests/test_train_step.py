@@ -14,7 +14,9 @@ from trainer.step import TrainStep, make_scaler
 from trainer.tasks import Classification
 
 
-def _setup(**train):
+def _setup(prepare=None, task=None, **train):
+    """A TrainStep of a small MLP (SGD, constant lr); `prepare(model)` runs before the
+    optimizer is built (a tp plan replaces the parameters)."""
     cfg = config.load(
         None,
         [
@@ -30,6 +32,8 @@ def _setup(**train):
     model = torch.nn.Sequential(
         torch.nn.Flatten(), torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 3)
     )
+    if prepare is not None:
+        prepare(model)
     opt = build_optimizer(cfg.optim, model.parameters())
     sched = build_scheduler(cfg.sched, opt, 10, 100)
     step = TrainStep(
@@ -38,7 +42,7 @@ def _setup(**train):
         optimizer=opt,
         scheduler=sched,
         scaler=make_scaler(cfg.train, "cpu"),
-        task=Classification(),
+        task=task or Classification(),
     )
     return step, model
 
@@ -95,6 +99,41 @@ def test_micro_steps_all_reduce_once_per_step():
         assert calls[None] >= 1 and calls[1] == calls[5] == calls[None], calls
     finally:
         dist.destroy_process_group()
+
+
+class _SquaredOutputs(Classification):
+    """A loss a DTensor output keeps a DTensor: the sum of the squared outputs."""
+
+    def loss(self, output, batch):
+        return (output * output).sum()
+
+
+def test_a_dtensor_loss_backpropagates_its_scaled_product():
+    """A model's own tp plan with use_local_output=False makes the loss a DTensor, which a plain
+    start gradient cannot begin backward from (mixed Tensor and DTensor): such a loss takes
+    (loss x factor).backward(), and the step updates the weights as the plain model's does."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    x, y = _batch()
+    ref_step, ref = _setup(task=_SquaredOutputs())
+    ref_loss = ref_step((x, y), len(x))
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        plan = ColwiseParallel(use_local_output=False)
+        step, model = _setup(lambda m: parallelize_module(m[3], mesh, plan), _SquaredOutputs())
+        loss = step((x, y), len(x))
+        assert isinstance(model[3].weight, DTensor)
+        weights = {k: v.full_tensor() if isinstance(v, DTensor) else v
+                   for k, v in model.state_dict().items()}  # fmt: skip
+    finally:
+        dist.destroy_process_group()
+    full = loss.full_tensor() if isinstance(loss, DTensor) else loss
+    assert torch.allclose(full, ref_loss, rtol=1e-6)
+    assert _max_rel(weights, ref.state_dict()) <= 1e-6
 
 
 @pytest.mark.parametrize("precision, tol", [("bf16", 2e-2), ("fp16", 5e-3)])
