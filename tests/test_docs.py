@@ -45,10 +45,22 @@ def _shown(value: float, unit: str) -> str:
     return {"samples/s": f"{value:,.0f}", "x": f"{value:.3f}"}.get(unit, f"{value:.2f}")
 
 
+def _check_ratio(cells: list[str], r: dict) -> None:
+    name = cells[0]
+    assert cells[1] == f"{r['value']:.3f}", (name, cells)
+    assert cells[2] == f"{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}", (name, cells)
+    paired = f"{r['paired']:.3f} [{r['ci90_lo']:.3f}-{r['ci90_hi']:.3f}]"
+    assert cells[3] == paired, (name, cells)
+    assert cells[4] == (f">= {r['target']:.2f}" if r["target"] else ""), (name, cells)
+
+
 def test_the_measured_tables_in_docs_benchmarks_are_the_committed_results():
+    """The CPU suite's tables (cpu-cpu.json), then the alternating rows' 8-repetition run
+    (alternating-cpu.json)."""
     measured = _section(DOCS["benchmarks.md"], "### Measured here")
+    suite, alternating = measured.split("`bench/results/alternating-cpu.json`")
     checked = 0
-    for cells in _table(measured):  # rows: name, median, range; ratios: + paired, target
+    for cells in _table(suite):  # rows: name, median, range; ratios: + paired, target
         name = cells[0].strip("`")
         if len(cells) == 3 and name in ROWS:
             row = ROWS[name]
@@ -58,25 +70,27 @@ def test_the_measured_tables_in_docs_benchmarks_are_the_committed_results():
             assert cells[2] == f"{_shown(row['min'], unit)}-{_shown(row['max'], unit)}", cells
             checked += 1
         elif len(cells) == 5 and name in RATIOS:
-            r = RATIOS[name]
-            assert cells[1] == f"{r['value']:.3f}", (name, cells)
-            assert cells[2] == f"{r['per_rep_min']:.3f}-{r['per_rep_max']:.3f}", (name, cells)
-            paired = f"{r['paired']:.3f} [{r['ci90_lo']:.3f}-{r['ci90_hi']:.3f}]"
-            assert cells[3] == paired, (name, cells)
-            assert cells[4] == (f">= {r['target']:.2f}" if r["target"] else ""), (name, cells)
+            _check_ratio(cells, RATIOS[name])
             checked += 1
     assert checked == len(ROWS) + len(RATIOS)  # every row and ratio, none left out
+    eight = json.loads((ROOT / "bench" / "results" / "alternating-cpu.json").read_text())
+    quoted = {cells[0]: cells for cells in _table(alternating) if len(cells) == 5}
+    assert eight["reps"] == 8 and set(eight["ratios"]) <= set(quoted)
+    for name, r in eight["ratios"].items():
+        _check_ratio(quoted[name], r)
 
 
 def test_the_readme_quotes_the_committed_ratios():
+    """The CPU suite's ratios, and world_invariant / plain from the invariant suite."""
     table = _table(_section(README, "## Benchmarks"))
     quoted = {float(n) for cells in table[1:] for n in re.findall(r"\d+\.\d\d", cells[1])}
     rounded = lambda x: round(x, 2)  # noqa: E731
-    every = {
-        rounded(r[k]) for r in RATIOS.values() for k in ("value", "per_rep_min", "per_rep_max")
-    }
+    invariant = json.loads((ROOT / "bench" / "results" / "invariant-cpu.json").read_text())
+    wi = [invariant["ratios"][f"world_invariant / plain, world {w}"] for w in (1, 2)]
+    measured = [*RATIOS.values(), *wi]
+    every = {rounded(r[k]) for r in measured for k in ("value", "per_rep_min", "per_rep_max")}
     assert quoted <= every, sorted(quoted - every)  # nothing quoted that was not measured
-    assert {rounded(r["value"]) for r in RATIOS.values()} <= quoted  # and every ratio quoted
+    assert {rounded(r["value"]) for r in measured} <= quoted  # and every ratio quoted
 
 
 def test_docs_training_quotes_the_world_invariant_cost_of_the_committed_run():
@@ -85,8 +99,10 @@ def test_docs_training_quotes_the_world_invariant_cost_of_the_committed_run():
         DOCS["training.md"],
     )
     assert found, "docs/training.md no longer states the cost"
-    assert float(found[1]) == round(RATIOS["world_invariant / plain, world 1"]["value"], 2)
-    assert float(found[2]) == round(RATIOS["world_invariant / plain, world 2"]["value"], 2)
+    invariant = json.loads((ROOT / "bench" / "results" / "invariant-cpu.json").read_text())
+    ratios = invariant["ratios"]
+    assert float(found[1]) == round(ratios["world_invariant / plain, world 1"]["value"], 2)
+    assert float(found[2]) == round(ratios["world_invariant / plain, world 2"]["value"], 2)
 
 
 def test_the_disk_that_test_image_needs_is_quoted_as_the_harness_checks_it():
