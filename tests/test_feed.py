@@ -182,6 +182,22 @@ class _Rows:
         return self.inner.take(idx)
 
 
+@pytest.mark.parametrize("shape, several", [([3, 8, 8], True), ([3, 5, 5], False)])
+def test_every_steps_float_batch_starts_aligned_as_its_own_take_would(shape, several):
+    """A view into a several-step take is used only where it starts where a take of its own
+    would (data.ALIGN): the CPU's matmuls give other bits for an input at another offset. 8x8
+    RGB rows are 768 float bytes (aligned); 5x5 rows are 300: one take a step."""
+    syn = SyntheticConfig(shape=shape, num_classes=4, size=37, test_size=26)
+    resident = data.build(_cfg(synthetic=syn, device_resident=True), seed=0, device="cpu")
+    for world in (1, 2):
+        plan = EpochPlan(n=len(resident.train), global_batch=4 * world, seed=3, epoch=1)
+        spans = list(plan.rank_spans(0, world, 0))
+        assert (data.steps_per_take(resident.train, spans) > 1) == several
+        for start in (0, 1):
+            for _, x, _, _ in _train_batches(resident, plan, 0, world, start):
+                assert x.dtype == torch.float32 and x.data_ptr() % data.ALIGN == 0
+
+
 @pytest.mark.parametrize("world, augment", [(1, True), (2, True), (1, False), (2, False)])
 def test_a_device_resident_array_gathers_several_steps_in_one_take(world, augment, monkeypatch):
     """The same batches as one take a step (the host path), from any step on, while an

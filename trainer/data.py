@@ -333,16 +333,25 @@ def _views(rows: batches.Batch, group: list) -> Iterator[tuple[int, batches.Batc
         at = hi
 
 
+ALIGN = 64
+"""Bytes a step's float tensors start on (the CPU allocator's alignment): the CPU's matmuls
+(MKL) take another path for an input at another offset, with other bits, so a view into a take
+is used only where every step's rows start on it; elsewhere each step has its own take."""
+
+
 def steps_per_take(split: Split, spans: list) -> int:
     """How many consecutive steps' rows one take gathers: 1 (a split's take may depend on the
     whole batch it is asked for, padding to its longest sample, say), but for an ArrayDataset,
-    whose take gathers rows, as many as TAKE_BYTES of them hold as float (at most TAKE_STEPS)."""
+    whose take gathers rows, as many as TAKE_BYTES of them hold as float (at most TAKE_STEPS),
+    where a row of each of its float tensors is a multiple of ALIGN bytes."""
     if type(split) is not ArrayDataset or not spans or len(split) == 0:
         return 1
-    pixel = 4 if split.x.dtype == torch.uint8 else split.x.element_size()  # pixels_to_float's
-    row = split.x[0].numel() * pixel + split.y[0].numel() * split.y.element_size()
+    one = _float_converter(split, str(split.x.device))((split.x[:1], split.y[:1]))
+    rows = [t[0].numel() * t.element_size() for t in one]  # as a step sees them
+    if any(r % ALIGN for r, t in zip(rows, one, strict=True) if t.is_floating_point()):
+        return 1
     widest = max(b - a for _, a, b, _ in spans)
-    return max(1, min(TAKE_STEPS, TAKE_BYTES // max(1, row * widest)))
+    return max(1, min(TAKE_STEPS, TAKE_BYTES // max(1, sum(rows) * widest)))
 
 
 def eval_batches(
