@@ -212,6 +212,14 @@ def test_the_schedule_sets_what_lambdalr_sets(tensor_lr):
     ref.load_state_dict(ours.state_dict())
     ours.load_state_dict(ref.state_dict())
     assert ours.last_epoch == ref.last_epoch == 40
+    resumed_opt = sgd()  # a resume mid-schedule: the checkpoint's position, the same lrs on
+    resumed = build_scheduler(cfg.sched, resumed_opt, 10, 40)
+    resumed.load_state_dict(ours.state_dict())
+    for _ in range(3):
+        ref_opt.step(), resumed_opt.step(), ref.step(), resumed.step()
+        assert [g["lr"] for g in resumed_opt.param_groups] == [
+            g["lr"] for g in ref_opt.param_groups
+        ]
 
 
 def test_channels_last_conv_step_matches():

@@ -283,7 +283,7 @@ def train_batches(
 
 TAKE_BYTES = 16 << 20
 """A device-resident ArrayDataset's rows for consecutive steps are gathered in one take of up to
-this many bytes once converted to float (at most TAKE_STEPS steps), each step's batch a view."""
+this many bytes, pixels counted as float (at most TAKE_STEPS steps), each step's batch a view."""
 TAKE_STEPS = 64
 
 

@@ -114,8 +114,11 @@ class ScheduleLR(torch.optim.lr_scheduler.LambdaLR):
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule) -> None:
         super().__init__(optimizer, schedule)
-        groups = optimizer.param_groups
-        self._plain = all(type(v) is float for v in [*self.base_lrs, *(g["lr"] for g in groups)])
+        self._plain = self._float_lrs()
+
+    def _float_lrs(self) -> bool:
+        groups = self.optimizer.param_groups
+        return all(type(v) is float for v in [*self.base_lrs, *(g["lr"] for g in groups)])
 
     def step(self, epoch: int | None = None) -> None:
         if epoch is not None or self._step_count <= 1 or not self._plain:
@@ -133,3 +136,7 @@ class ScheduleLR(torch.optim.lr_scheduler.LambdaLR):
         state = super().state_dict()
         state.pop("_plain", None)
         return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._plain = self._float_lrs()  # the checkpoint's base lrs
