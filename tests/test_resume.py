@@ -209,8 +209,12 @@ def test_a_signal_to_one_rank_stops_all_within_one_more_step(tmp_path):
 @pytest.mark.slow  # a bound in steps the ranks count themselves: load cannot break it
 def test_with_fast_steps_a_signal_to_one_rank_stops_all_within_a_fifth_of_a_second(tmp_path):
     """Votes every ~0.2 s of steps (signals.StopVote.cadence): at 20 ms a step, every 10 steps at
-    most, so a signal in step k stops both ranks together by step k + 10."""
-    noticed, stopped = _signal_one_rank(tmp_path, 40, "model.kwargs.delay=0.02", "train.epochs=20")
+    most, so a signal in step k stops both ranks together by step k + 10. A record every 50
+    steps and no step-count saves: the 49 steps between records (loop.next_due) still poll it."""
+    rare = ("log.every_steps=50", "ckpt.every_steps=0")
+    noticed, stopped = _signal_one_rank(
+        tmp_path, 6, "model.kwargs.delay=0.02", "train.epochs=40", *rare
+    )
     assert noticed + 1 <= stopped <= noticed + 10, (noticed, stopped)
 
 
