@@ -99,7 +99,7 @@ def _weights_close(a, b, rel: float = 1e-5) -> None:
         pytest.param(GPT, id="gpt"),
         # Micro-steps and a clip that binds (the global norm is over all shards) on the ResNet:
         # on the GPT as well cost a minute of suite time for the same code path.
-        pytest.param(RESNET, id="resnet18-accum-clip"),
+        pytest.param(RESNET, id="resnet18-accum-clip", marks=pytest.mark.long),  # 40 s
     ],
 )
 def test_fsdp_matches_ddp_and_one_process_on_the_same_global_batch(runs, args):
@@ -175,7 +175,7 @@ def _resume_continues_the_curve(ref, tmp_path, strategy: str, world: int) -> str
     return stdout
 
 
-@pytest.mark.parametrize("world", [1, 4])
+@pytest.mark.parametrize("world", [1, pytest.param(4, marks=pytest.mark.long)])  # 4: 30 s
 def test_a_sharded_checkpoint_resumes_on_another_world_size(runs, tmp_path, world):
     out = _resume_continues_the_curve(runs(2, "fsdp", *GPT), tmp_path, "fsdp", world)
     assert f"world size 2 -> {world}" in out

@@ -500,6 +500,7 @@ def test_the_ranks_exit_code_comes_through_torchrun(tmp_path, failure, code):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 45 s: two attempts of a 2-rank torchrun (TorchX's restart: test_torchx.py)
 def test_max_restarts_recovers_and_reports_success(tmp_path):
     # attempt 0: rank 1 exits 4 (attempt-0.rank-1.exit); attempt 1 trains to the end
     p = launcher(
