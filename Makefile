@@ -107,7 +107,7 @@ test-image: setup  ## build docker/Dockerfile on a real engine, run compose (roo
 test-mlflow: setup  ## runs against a real `mlflow server` (its own venv, .venv/mlflow-server, built on first use; ~2 min)
 	$(BIN)/pytest -m mlflow tests/test_tracking.py $(PYTEST_ARGS)
 
-test-long: setup  ## the long end-to-end runs: stdlib-gpt to its documented number, k8s pods as network namespaces, the bench scripts, the example killed twice, the slowest multi-process checks (~7 min)
+test-long: setup  ## the long end-to-end runs: stdlib-gpt to its documented number, k8s pods as network namespaces, the bench scripts, the example killed twice, the slowest multi-process checks (~5 min)
 	$(BIN)/pytest $(XDIST) -m long $(PYTEST_ARGS)
 
 test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp x tp) and compiled pp stages, against one process (~6 min)
