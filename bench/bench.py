@@ -351,8 +351,8 @@ CKPT_RATIOS = [
 
 # trainer / bare is measured with the two loops' windows alternating in one process (the
 # INTERLEAVED rows, target 0.97). Between two separate processes the same ratio also carries the
-# machine's drift from one process to the next (up to 1.6x on this repo's 2-core VM; identical
-# loops differ by 0.76-1.10 per repetition): the MLP's is kept, without a target, to show it.
+# machine's drift from one process to the next (a process's speed moved by up to 1.6x between
+# runs on this repo's 2-core VM): the MLP's is kept, without a target, to show it.
 CPU_RATIOS = [
     *((name, name, None, 0.97) for name in INTERLEAVED),
     (
