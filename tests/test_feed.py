@@ -226,3 +226,20 @@ def test_a_device_resident_array_gathers_several_steps_in_one_take(world, augmen
     other = dataclasses.replace(resident, train=_Rows(resident.train))
     takes.clear()
     assert len(list(_train_batches(other, plan, 0, 1))) == steps and len(takes) == steps
+
+
+def test_cut_gives_views_of_every_batch_shape():
+    """batches.cut: a flat (x, y) tuple (sliced directly) and every other shape (the walk)
+    give samples lo..hi-1 of each tensor as views; other leaves stay as they are."""
+    from trainer import batch as batches
+
+    x, y = torch.arange(12.0).reshape(6, 2), torch.arange(6)
+    shapes = [(x, y), [x, y], {"x": x, "y": y}, x, (x, (y, "tag")), (x, torch.nn.Parameter(x))]
+    for batch in shapes:
+        got = batches.cut(batch, 1, 4)
+        assert type(got) is type(batch)
+        want, have = batches.tensors(batch), batches.tensors(got)
+        assert len(have) == len(want)
+        for t, v in zip(want, have, strict=True):
+            assert torch.equal(v, t[1:4]) and v.data_ptr() == t[1:4].data_ptr()
+    assert batches.cut((x, (y, "tag")), 0, 2)[1][1] == "tag"

@@ -54,7 +54,10 @@ def to_device(batch: Batch, device: str | torch.device, non_blocking: bool = Fal
 
 
 def cut(batch: Batch, lo: int, hi: int) -> Batch:
-    """Samples lo..hi-1 of every tensor (views)."""
+    """Samples lo..hi-1 of every tensor (views). A flat tuple of tensors, the built-in (x, y),
+    is sliced directly: map_tensors' walk was 8 Python calls a cut, on every step's batch."""
+    if type(batch) is tuple and all([type(t) is torch.Tensor for t in batch]):
+        return tuple([t[lo:hi] for t in batch])
     return map_tensors(lambda t: t[lo:hi], batch)
 
 

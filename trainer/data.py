@@ -326,11 +326,10 @@ def _views(rows: batches.Batch, group: list) -> Iterator[tuple[int, batches.Batc
         step, _, _, count = group[0]
         yield step, rows, count
         return
-    at, flat = 0, type(rows) is tuple and all(type(t) is torch.Tensor for t in rows)
+    at = 0
     for step, a, b, count in group:
-        hi = at + b - a  # an ArrayDataset's (x, y): sliced here, not through batches.cut's walk
-        yield step, tuple([t[at:hi] for t in rows]) if flat else batches.cut(rows, at, hi), count
-        at = hi
+        yield step, batches.cut(rows, at, at + b - a), count
+        at += b - a
 
 
 ALIGN = 64
