@@ -486,7 +486,10 @@ def test_a_batch_that_does_not_split_over_the_job_is_exit_2_before_torchrun(tmp_
         assert p.stdout == ""
 
 
-@pytest.mark.parametrize("failure, code", [("usage", 2), ("retryable", 4)])
+@pytest.mark.parametrize(
+    "failure, code",
+    [("usage", 2), pytest.param("retryable", 4, marks=pytest.mark.long)],  # retryable: 39 s
+)
 @pytest.mark.slow
 def test_the_ranks_exit_code_comes_through_torchrun(tmp_path, failure, code):
     # the ranks fail while building their data; torchrun itself exits 1 whatever they return

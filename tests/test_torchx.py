@@ -149,6 +149,7 @@ def test_stock_dist_ddp_runs_the_ratings_examples_script_bitwise_like_one_proces
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 34 s: two attempts of a 2-rank worker group (make test-long, as launch's)
 def test_max_restarts_restarts_the_worker_group_in_place(tmp_path, reference_runs):
     """The component on local_cwd: a 2-rank job that TorchX reports SUCCEEDED after torchrun
     restarted its worker group (a rank failed on purpose), computing exactly what plain torchrun
