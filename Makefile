@@ -111,7 +111,7 @@ test-long: setup  ## the long end-to-end runs: stdlib-gpt to its documented numb
 	$(BIN)/pytest $(XDIST) -m long $(PYTEST_ARGS)
 
 test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp x tp) and compiled pp stages, against one process (~6 min)
-	$(BIN)/pytest -m mesh tests/test_parallel.py tests/test_tensor_parallel.py $(PYTEST_ARGS)
+	$(BIN)/pytest -m mesh tests/test_parallel.py tests/test_tensor_parallel.py tests/test_layouts.py $(PYTEST_ARGS)
 
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
 	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)

@@ -1,0 +1,98 @@
+"""Saved state is keyed by parameter name in every format, so any layout's checkpoint seeds any
+other layout: a world-1 checkpoint (AdamW state in two parameter groups, optim.decay=
+no_bias_norm) resumes under FSDP dp=2, pp=2, tp=2 and dp=2 x pp=2, and each of those runs'
+checkpoints resumes at world 1, on the uninterrupted world-1 curve (bit for bit where the layout
+is, within tp's tolerance where it is not). Checkpoints written by main at 3a8a994 (index-keyed
+whole files, and DCP shards of FSDP and of a pipeline) still resume, to the numbers that commit
+gave them (tests/fixtures/main-3a8a994, made by its make.sh)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ranks, shared_run, train_here, train_losses, weights
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "main-3a8a994"
+EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
+SMALL = EXPECTED["overrides"]  # a 2-block GPT of width 16: two groups of AdamW state
+LONGER = [a for a in SMALL if not a.startswith(("train.max_steps", "train.eval_every"))]
+LONGER += ["train.max_steps=6", "train.eval_every_steps=6"]
+PRESET = ["--config", "stdlib-gpt"]
+TOL = 1e-5
+"""tests/test_tensor_parallel.py's tolerance for a layout that is not bitwise (tp's row sums,
+FSDP's reduce-scatter): |loss difference| against the world-1 run."""
+
+
+def _weights_sha(run_dir) -> str:
+    state, digest = weights(run_dir), hashlib.sha256()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _here(*args: str) -> str:
+    """`trainer train --config stdlib-gpt ARGS` in this process; its output."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        train_here("train", *args, config_file="stdlib-gpt")
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("kind", ["whole", "fsdp", "pp"])
+def test_a_checkpoint_written_by_main_at_3a8a994_resumes_to_its_numbers(kind, tmp_path):
+    """Index-keyed whole files (optimizer.pt numbered group after group), FSDP's and a
+    pipeline's flat DCP shards: each step-2 checkpoint resumes at world 1 and steps 3-4 give the
+    losses and final weights that main gave them."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / kind / "step-000000002", run / "checkpoints" / "step-000000002")
+    out = _here(*SMALL, f"run_dir={run}")
+    assert "resumed from" in out, out
+    want = EXPECTED["resumed_at_world_1"][kind]
+    assert {str(k): v for k, v in train_losses(run).items()} == want["losses"]
+    assert _weights_sha(run) == want["weights_sha256"]
+
+
+@pytest.fixture(scope="module")
+def world_1(tmp_path_factory):
+    """The uninterrupted world-1 run: 6 steps, a checkpoint every 2."""
+    return shared_run(tmp_path_factory, "layouts:world1", lambda d: _here(*LONGER, f"run_dir={d}"))
+
+
+LAYOUTS = [
+    pytest.param(["dist.strategy=fsdp"], 2, False, "fsdp", id="fsdp-dp2"),
+    pytest.param(["dist.mesh=pp=2"], 2, True, "pp", id="pp2"),
+    pytest.param(["dist.mesh=tp=2"], 2, False, "tp", id="tp2"),
+    pytest.param(["dist.mesh=dp=2,pp=2"], 4, False, "ddp+pp", id="dp2-pp2", marks=pytest.mark.mesh),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, nproc, bitwise, name", LAYOUTS)
+def test_a_world_1_checkpoint_resumes_under_a_layout_and_back(
+    world_1, tmp_path, layout, nproc, bitwise, name
+):
+    """world 1 -> the layout at step 2 -> world 1 at step 4: every segment on the world-1 curve."""
+    there, back = tmp_path / "there", tmp_path / "back"
+    start = world_1 / "checkpoints" / "step-000000002"
+    argv = ["train", *PRESET, *LONGER, *layout, f"run_dir={there}", f"ckpt.resume={start}"]
+    out = ranks(*argv, nproc=nproc, timeout=300).stdout
+    assert "resumed from" in out and f", {name}) |" in out, out
+    out = _here(
+        *LONGER, f"run_dir={back}", f"ckpt.resume={there / 'checkpoints' / 'step-000000004'}"
+    )
+    assert f"world size {nproc} -> 1" in out, out
+    want = train_losses(world_1)
+    got = {**train_losses(there), **train_losses(back)}
+    assert sorted(got) == [3, 4, 5, 6]
+    if bitwise:
+        assert got == {s: want[s] for s in got}
+        assert _weights_sha(back) == _weights_sha(world_1)
+    else:
+        assert max(abs(got[s] - want[s]) for s in got) <= TOL, (got, want)
