@@ -245,7 +245,7 @@ def test_without_a_saved_config_the_hint_is_the_model_familys_shape_key(tmp_path
     with pytest.raises(
         UsageError, match=r"\(32, 16\) there, \(64, 16\) here\): check model.hidden"
     ):
-        load_weights_into(mlp((1, 4, 4), 3, hidden=[64]), str(tmp_path / "w.pt"), None, cfg.model)
+        load_weights_into(mlp((1, 4, 4), 3, hidden=[64]), str(tmp_path / "w.pt"), cfg.model)
 
 
 # --- 4. a checkpoint directory is accepted by eval, export and ckpt.init_weights ---------------

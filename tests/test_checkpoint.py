@@ -415,10 +415,11 @@ def test_non_tensor_items_in_shards_load_without_running_code(tmp_path):
 
 def _dcp_state(model, opt) -> dict:
     """What the checkpointer hands DCP: the model's and optimizer's state in DCP's form."""
+    from trainer.parallel.mesh import Mesh
+    from trainer.parallel.parts import whole
     from trainer.state import ModelState
-    from trainer.strategy import Strategy
 
-    return ModelState(model, opt, Strategy()).state_dict()
+    return ModelState(whole(model), opt, Mesh()).state_dict()
 
 
 def test_a_failed_shard_write_is_an_ordinary_exception_the_checkpointer_recovers_from(tmp_path):

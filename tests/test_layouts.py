@@ -96,3 +96,17 @@ def test_a_world_1_checkpoint_resumes_under_a_layout_and_back(
         assert _weights_sha(back) == _weights_sha(world_1)
     else:
         assert max(abs(got[s] - want[s]) for s in got) <= TOL, (got, want)
+
+
+@pytest.mark.slow
+def test_starting_weights_seed_a_pipeline_as_they_seed_one_process(world_1, tmp_path):
+    """ckpt.init_weights is matched against the whole model on every rank (strict: every name
+    and shape) and each stage loads its part: a pp=2 run from the world-1 run's final weights
+    trains as one process from them, bit for bit."""
+    init = ["train.max_steps=2", f"ckpt.init_weights={world_1 / 'final' / 'model.safetensors'}"]
+    args = [*[a for a in LONGER if not a.startswith("train.max_steps")], *init]
+    _here(*args, f"run_dir={tmp_path / 'one'}")
+    out = ranks("train", *PRESET, *args, "dist.mesh=pp=2", f"run_dir={tmp_path / 'pp'}", nproc=2)
+    assert "initial weights from" in out.stdout, out.stdout
+    assert train_losses(tmp_path / "pp") == train_losses(tmp_path / "one")
+    assert len(train_losses(tmp_path / "one")) == 2

@@ -149,19 +149,18 @@ def test_sync_bn_converts_every_batchnorm_and_keeps_its_state():
 
 
 def test_sync_bn_on_cpu_is_a_one_line_usage_error_and_world_1_leaves_bn_alone():
-    from trainer import strategy
+    from trainer import config, strategy
+    from trainer.parallel.dims import describe
     from trainer.ranks import World
 
     net = build(ModelConfig(name="resnet18"), (3, 8, 8), 10)
-    from trainer import config
-
     cfg = config.load(None, ["model.sync_bn=true"])
-    one = strategy.choose(cfg, World())
-    assert one.name == "none" and one.wrap(net, World()) is net
+    one = describe(cfg, 1)
+    assert one.name == "none" and strategy.wrap(net, one, World()) is net
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in net.modules())
     two = World(rank=0, size=2, local_size=2, master_addr="x", master_port=1)
-    ddp = strategy.choose(cfg, two)
+    ddp = describe(cfg, 2)
     with pytest.raises(
         UsageError, match="model.sync_bn=true needs CUDA devices.*model.sync_bn=false"
     ):
-        ddp.wrap(net, two)
+        strategy.wrap(net, ddp, two)

@@ -17,6 +17,8 @@ from trainer.config import check_world_size, load, resolve_strategy
 from trainer.errors import ConfigError, UsageError
 from trainer.gpt import GPT
 from trainer.parallel import layout, mesh, pipeline
+from trainer.parallel import split as splits
+from trainer.parallel.dims import ParallelDims, describe
 
 TINY = [
     "model.gpt.layers=4",
@@ -115,7 +117,7 @@ def test_pure_data_parallelism_is_unchanged():
         check_world_size(cfg, 4)
     assert resolve_strategy(_cfg(), 4) == "ddp"
     assert resolve_strategy(_cfg("dist.mesh=pp=2"), 2) == "none"  # dp=1 under the pipeline
-    assert mesh.Mesh(layout.Layout(dp=4), rank=3, dp_rank=3).contributes
+    assert mesh.Mesh(ParallelDims(layout.Layout(dp=4)), rank=3, dp_rank=3).contributes
 
 
 # --- the split -----------------------------------------------------------------------------------
@@ -124,27 +126,27 @@ def test_pure_data_parallelism_is_unchanged():
 def test_gpt_splits_into_stages_with_whole_model_names():
     torch.manual_seed(0)
     model = GPT(256, 16, 4, 32, 2)
-    split = pipeline.plan(model, 2)
+    split = splits.plan(model, 2)
     assert split.stages == [["0", "1"], ["2", "3"]]
     assert split.before == ["tok", "pos", "drop"] and split.after == ["ln_f", "head"]
     whole = model.state_dict()
-    pieces = [pipeline.piece(model, split, [s]).state_dict() for s in range(2)]
+    pieces = [splits.piece(model, split, [s]).state_dict() for s in range(2)]
     assert set(pieces[0]) | set(pieces[1]) == set(whole)
     assert all(torch.equal(p[k], whole[k]) for p in pieces for k in p)
     assert "head.weight" in pieces[1] and "tok.weight" not in pieces[1]
     # The stages run in turn give the whole model's output.
     x = torch.randint(0, 256, (2, 16))
-    stages = [pipeline.piece(model, split, [s]) for s in range(2)]
+    stages = [splits.piece(model, split, [s]) for s in range(2)]
     assert torch.equal(stages[1](stages[0](x)), model(x))
-    (tied,) = pipeline.tied_weights(model, split)
+    (tied,) = splits.tied_weights(model, split)
     assert tied.names == {0: "tok.weight", 1: "head.weight"} and tied.canonical == "tok.weight"
 
 
 def test_a_model_that_cannot_be_split_is_one_line():
     with pytest.raises(ConfigError, match="cannot split the model's 4 layers"):
-        pipeline.plan(GPT(256, 16, 4, 32, 2), 3)
+        splits.plan(GPT(256, 16, 4, 32, 2), 3)
     with pytest.raises(UsageError, match="pipeline_layers"):
-        pipeline.plan(nn.Sequential(nn.Linear(2, 2)), 2)
+        splits.plan(nn.Sequential(nn.Linear(2, 2)), 2)
 
     class Rooted(nn.Module):
         def __init__(self):
@@ -156,7 +158,7 @@ def test_a_model_that_cannot_be_split_is_one_line():
             return "layers"
 
     with pytest.raises(UsageError, match="parameters on its root"):
-        pipeline.plan(Rooted(), 2)
+        splits.plan(Rooted(), 2)
 
 
 def _stepped(cfg, model):
@@ -170,32 +172,46 @@ def _stepped(cfg, model):
     return opt
 
 
-def test_a_whole_optimizer_state_loads_into_a_stage_group_by_group():
-    """A world-1 checkpoint numbers the optimizer's parameters group after group (here two
-    groups from optim.decay=no_bias_norm, and frozen parameters left out): the last stage's
-    optimizer gets each of its parameters' own state (the tied head's from tok.weight) and
-    each group's own settings."""
-    from trainer import optim, params
-    from trainer.strategy import Strategy
+def _stage(model, stage: int, cfg):
+    """Stage `stage` of a pp=2 layout of `model`, laid out here without a process group."""
+    from trainer.parallel.apply import parallelize
+    from trainer.ranks import World
 
-    cfg = _cfg("optim.decay=no_bias_norm", "optim.weight_decay=0.1", "optim.freeze=pos.weight")
+    on = mesh.Mesh(describe(cfg, 2), rank=stage, pp_rank=stage)
+    return parallelize(model, on, World(), cfg.train)
+
+
+@pytest.mark.parametrize("saved", ["by name", "by index (main at 3a8a994)"])
+def test_a_whole_optimizer_state_loads_into_a_stage_by_name(saved):
+    """A world-1 checkpoint's optimizer state (here two groups from optim.decay=no_bias_norm,
+    and frozen parameters left out) loads into the last stage of a pp=2 layout through DCP's
+    state-dict API: each parameter its own state (the tied head's from tok.weight) and each
+    group its own settings. An index-keyed state (whole checkpoints before names) is read by the
+    numbering of the optimizer that wrote it, to the same result."""
+    from trainer import namedstate, optim, params
+    from trainer.parallel.parts import whole
+
+    cfg = _cfg(
+        "dist.mesh=pp=2", "optim.decay=no_bias_norm", "optim.weight_decay=0.1",
+        "optim.freeze=pos.weight",
+    )  # fmt: skip
     torch.manual_seed(0)
     model = GPT(256, 16, 4, 32, 2)
     params.freeze(model, cfg.optim.freeze)
-    whole = _stepped(cfg, model)
+    opt = _stepped(cfg, model)
     order = params.numbering(cfg.optim, model.named_parameters())
-    split = pipeline.plan(model, 2)
-    view = pipeline.piece(model, split, [1])
-    tied = pipeline.tied_weights(model, split)
-    pipe = pipeline.Pipe(split, mesh.Mesh(layout.Layout(pp=2)), [1], {}, view, order, tied, "1f1b")
-    strategy = pipeline.Pipelined(Strategy(), pipe, order)
-    mine = optim.build(cfg.optim, view, whole=order)
-    strategy.load_optimizer_state(view, mine, whole.state_dict())
+    state = namedstate.whole(whole(model), opt)
+    numbering = None
+    if saved != "by name":
+        state, numbering = {**state, "optimizer": opt.state_dict()}, order
+    parts = _stage(model, 1, cfg)
+    mine = optim.build(cfg.optim, parts.view, whole=order)
+    namedstate.load_whole(parts, mine, state, numbering)
     assert [g["weight_decay"] for g in mine.param_groups] == [0.1, 0.0]
-    for name, p in view.named_parameters():
+    for name, p in parts.view.named_parameters():
         if not p.requires_grad:
             continue
-        ours, theirs = mine.state[p], whole.state[p]  # the same Parameter objects
+        ours, theirs = mine.state[p], opt.state[p]  # the same Parameter objects
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), name
         g = next(g for g in mine.param_groups if any(q is p for q in g["params"]))
         assert g["weight_decay"] == (0.0 if p.dim() < 2 else 0.1), name
@@ -207,7 +223,7 @@ def test_a_stage_checks_optim_groups_against_the_whole_model():
     from trainer import params
 
     model = GPT(256, 16, 4, 32, 2)
-    view = pipeline.piece(model, pipeline.plan(model, 2), [0])
+    view = splits.piece(model, splits.plan(model, 2), [0])
     whole = params.numbering(_cfg().optim, model.named_parameters())
     late = _cfg("optim.groups.late.params=blocks.3.*", "optim.groups.late.lr_mult=0.1").optim
     groups = params.param_groups(late, view.named_parameters(), whole)
@@ -219,18 +235,18 @@ def test_a_stage_checks_optim_groups_against_the_whole_model():
         params.param_groups(typo, view.named_parameters(), whole)
 
 
-def test_a_whole_optimizer_state_is_named_as_its_optimizer_numbers_it():
-    """FSDP and tp load a whole checkpoint by parameter name: index i is the optimizer's i-th
-    parameter group after group, not the model's i-th parameter."""
-    from trainer import params
-    from trainer.strategy import _by_parameter_name
+def test_an_index_keyed_optimizer_state_is_named_as_its_optimizer_numbers_it():
+    """A whole checkpoint written before names: index i is the optimizer's i-th parameter group
+    after group (params.numbering), not the model's i-th parameter."""
+    from trainer import namedstate, params
 
     cfg = _cfg("optim.decay=no_bias_norm", "optim.freeze=pos.weight")
     torch.manual_seed(0)
     model = GPT(256, 16, 4, 32, 2)
     params.freeze(model, cfg.optim.freeze)
     opt = _stepped(cfg, model)
-    keyed = _by_parameter_name(model, opt, opt.state_dict())
+    order = params.numbering(cfg.optim, model.named_parameters())
+    keyed = namedstate.by_name(opt.state_dict(), order)
     by_name = dict(model.named_parameters())
     assert "pos.weight" not in keyed["state"]
     for name, state in keyed["state"].items():
@@ -401,7 +417,7 @@ def test_compiled_pipeline_stages_track_one_process(one_process, tmp_path):
 
 def test_a_tail_batch_a_pipeline_cannot_split_is_refused_before_work():
     cfg = _cfg("dist.mesh=pp=2", "train.micro_batch_size=8")
-    m = mesh.Mesh(layout.Layout(pp=2))
+    m = mesh.Mesh(describe(cfg, 2))
     with pytest.raises(ConfigError, match="epoch's last batch holds 7 of the 103"):
         pipeline.check_tail(103, cfg, m, reached=True)
     pipeline.check_tail(103, cfg, m, reached=False)  # the run stops before the tail
@@ -431,9 +447,9 @@ class DocsNet(nn.Module):
 
 def test_a_user_model_declares_its_stages_as_the_docs_say():
     model = DocsNet()
-    split = pipeline.plan(model, 4)
+    split = splits.plan(model, 4)
     assert split.before == ["embed"] and split.after == ["head"]
-    stages = [pipeline.piece(model, split, [s]) for s in range(4)]
+    stages = [splits.piece(model, split, [s]) for s in range(4)]
     x = torch.randn(3, 16)
     y = x
     for stage in stages:

@@ -20,6 +20,7 @@ from trainer import config, data, tasks
 from trainer.config import TaskConfig
 from trainer.errors import UsageError
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.parallel.parts import whole
 from trainer.step import TrainStep, make_scaler
 from trainer.tasks import Classification, LanguageModel, ModelLoss, Regression, Task
 
@@ -78,7 +79,7 @@ def _step(task, micro=None, model=plugins.linear, lr=0.1):
     opt = build_optimizer(cfg.optim, model.parameters())
     step = TrainStep(
         cfg=cfg.train,
-        model=model,
+        parts=whole(model),
         optimizer=opt,
         scheduler=build_scheduler(cfg.sched, opt, 10, 100),
         scaler=make_scaler(cfg.train, "cpu"),

@@ -109,14 +109,20 @@ def test_a_user_model_supplies_its_own_plan_or_gets_one_line():
         tensor.plan_of(nn.Sequential(nn.Linear(4, 4)), 2)
 
 
-def test_clip_of_plain_gradients_is_torchs():
+def test_the_split_models_clip_of_plain_gradients_is_torchs():
+    """trainer/parallel/clip.py's norm for a split layout, on gradients a rank holds whole."""
+    from trainer.parallel.clip import clipper
+    from trainer.parallel.dims import ParallelDims
+    from trainer.parallel.layout import Layout
+    from trainer.parallel.parts import whole
+
     torch.manual_seed(0)
     a, b = nn.Linear(8, 8), nn.Linear(8, 8)
     b.load_state_dict(a.state_dict())
     x = torch.randn(4, 8) * 10
     for m in (a, b):
         m(x).sum().backward()
-    got = tensor.clip_grad_norm(a.parameters(), 0.5)
+    got = clipper(whole(a), meshes.Mesh(ParallelDims(Layout(tp=2))))(0.5)
     want = torch.nn.utils.clip_grad_norm_(b.parameters(), 0.5)
     torch.testing.assert_close(got, want)
     for p, q in zip(a.parameters(), b.parameters(), strict=True):

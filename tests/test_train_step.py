@@ -10,13 +10,15 @@ from tests import helpers
 from tests.helpers import read_jsonl, train_here, trainer, weights
 from trainer import config
 from trainer.optim import Schedule, build_optimizer, build_scheduler
+from trainer.parallel.parts import whole
 from trainer.step import TrainStep, make_scaler
 from trainer.tasks import Classification
 
 
-def _setup(prepare=None, task=None, **train):
+def _setup(prepare=None, task=None, wrap=None, **train):
     """A TrainStep of a small MLP (SGD, constant lr); `prepare(model)` runs before the
-    optimizer is built (a tp plan replaces the parameters)."""
+    optimizer is built (a tp plan replaces the parameters); `wrap(model)`: the module it runs
+    as (DDP)."""
     cfg = config.load(
         None,
         [
@@ -38,7 +40,7 @@ def _setup(prepare=None, task=None, **train):
     sched = build_scheduler(cfg.sched, opt, 10, 100)
     step = TrainStep(
         cfg=cfg.train,
-        model=model,
+        parts=whole(model, wrap(model) if wrap else None),
         optimizer=opt,
         scheduler=sched,
         scaler=make_scaler(cfg.train, "cpu"),
@@ -76,7 +78,6 @@ def test_micro_steps_all_reduce_once_per_step():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.helpers import free_port
-    from trainer.strategy import DDP as DDPStrategy
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
@@ -84,8 +85,7 @@ def test_micro_steps_all_reduce_once_per_step():
     try:
         calls = {}
         for micro in (None, 1, 5):
-            step, model = _setup(**({"micro_batch_size": micro} if micro else {}))
-            step.model, step.strategy = DDP(model), DDPStrategy()
+            step, _ = _setup(wrap=DDP, **({"micro_batch_size": micro} if micro else {}))
             calls[micro] = 0
 
             def hook(_state, bucket, micro=micro):
@@ -225,7 +225,9 @@ def test_the_schedule_sets_what_lambdalr_sets(tensor_lr):
 def test_channels_last_conv_step_matches():
     """train.channels_last: build() lays the model out channels-last and the step its input
     (3 channels: with 1 the two layouts are the same strides); the numbers do not change."""
-    from trainer.run import layout
+    from trainer.parallel.apply import parallelize
+    from trainer.parallel.mesh import Mesh
+    from trainer.ranks import World
 
     x = torch.randn(8, 3, 8, 8)
     y = torch.randint(0, 10, (8,))
@@ -235,7 +237,8 @@ def test_channels_last_conv_step_matches():
         torch.manual_seed(0)
         from trainer.models import build
 
-        model = layout(build(cfg.model, (3, 8, 8), 10), cfg.train)
+        parts = parallelize(build(cfg.model, (3, 8, 8), 10), Mesh(), World(), cfg.train)
+        model = parts.view
         seen = []
         model[0].register_forward_pre_hook(
             lambda _m, a, seen=seen: seen.append(
@@ -247,7 +250,7 @@ def test_channels_last_conv_step_matches():
         scaler = make_scaler(cfg.train, "cpu")
         step = TrainStep(
             cfg=cfg.train,
-            model=model,
+            parts=parts,
             optimizer=opt,
             scheduler=sched,
             scaler=scaler,

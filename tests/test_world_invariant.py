@@ -110,15 +110,14 @@ def test_what_cannot_hold_is_refused_in_one_line(command, overrides, says, capsy
 
 
 def test_cuda_needs_deterministic_kernels():
-    from trainer.ranks import World
-    from trainer.strategy import choose
+    from trainer.parallel.dims import describe
 
     cfg = config.load(None, ["repro.world_invariant=true"])
-    world = World(rank=0, local_rank=0, size=1, device="cuda:0", backend="nccl")
     with pytest.raises(ConfigError, match="add repro.deterministic=true"):
-        choose(cfg, world)
+        describe(cfg, 1, on_cuda=True)
     cfg.repro.deterministic = True
-    assert choose(cfg, world).name == "none"
+    dims = describe(cfg, 1, on_cuda=True)
+    assert dims.name == "none" and dims.shards == 8 and dims.wraps == "none"
 
 
 def test_batchnorm_shards_of_one_sample_are_refused_before_training(tmp_path):
@@ -371,6 +370,7 @@ def _steps(micro: int, grouped: bool, model_kwargs=None, world: int = 1) -> dict
     """Weights after 3 world-invariant steps of _Gated on the digits (rank 0 of `world`)."""
     from trainer import data, optim, tasks
     from trainer.invariant import ShardedGradients
+    from trainer.parallel.parts import whole
     from trainer.step import TrainStep, make_scaler
 
     cfg = config.load(None, [f"train.micro_batch_size={micro or 'null'}", "optim.name=sgd"])
@@ -378,11 +378,12 @@ def _steps(micro: int, grouped: bool, model_kwargs=None, world: int = 1) -> dict
     torch.manual_seed(0)
     model = _Gated(**(model_kwargs or {}))
     opt = optim.build_optimizer(cfg.optim, model.parameters())
+    shards = ShardedGradients(model, rank=0, world_size=world, shards=8, grouped=grouped)
     step = TrainStep(
-        cfg=cfg.train, model=model, optimizer=opt, task=tasks.build(cfg.task, spec),
+        cfg=cfg.train, parts=whole(model), optimizer=opt, task=tasks.build(cfg.task, spec),
         scheduler=optim.build_scheduler(cfg.sched, opt, 10, 10), scaler=make_scaler(cfg.train, "cpu"),
+        shards=shards,
     )  # fmt: skip
-    step.shards = ShardedGradients(model, rank=0, world_size=world, shards=8, grouped=grouped)
     backwards = []
     original = torch.autograd.backward
     with pytest.MonkeyPatch.context() as mp:

@@ -97,11 +97,6 @@ def _last_batch_step(run: Run, plan) -> dict:
     }
 
 
-def _split_forward(run: Run):
-    """A split model's evaluation forward (the pipeline's), None for a whole one."""
-    return getattr(run.step, "eval_forward", None)
-
-
 def _eval_batch(run: Run) -> dict:
     """One evaluation batch per rank through the task's metrics and summarize (their contract,
     checked on real batches), added over the ranks as an evaluation adds them: what summarize
@@ -113,7 +108,7 @@ def _eval_batch(run: Run) -> dict:
         mesh, size = run.mesh, run.cfg.data.eval_batch_size
         stream = data.eval_batches(run.data, size, mesh.data_rank, mesh.data_size)
         first = next(stream, None)
-        sums = None if first is None else batch_sums(net, run.task, first, _split_forward(run))
+        sums = None if first is None else batch_sums(net, run.task, first, run.model_forward)
         found = [] if sums is None else [sums]
     net.train()
     n = 0 if sums is None or not mesh.contributes else batches.size(first)

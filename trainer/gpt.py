@@ -89,6 +89,24 @@ class GPT(nn.Module):
         """The blocks: what FSDP shards one by one and activation checkpointing recomputes."""
         return list(_layers(self.blocks))
 
+    def tensor_parallel_plan(self, tp: int) -> dict:
+        """Megatron's layout for dist.mesh=tp=N (trainer/parallel/tensor.py): in each block the
+        fused q,k,v projection and the MLP's first layer split by output columns (each rank holds
+        heads / tp whole heads and 4 x width / tp hidden units), the two output projections by
+        input rows, whose partial sums one all-reduce adds. Embeddings, head, LayerNorms and the
+        row-parallel layers' biases stay replicated."""
+        from trainer.parallel.styles import check_heads, fused_colwise, styles
+
+        heads = next(iter(_layers(self.blocks))).attn.heads
+        check_heads(heads, tp, f"{type(self).__name__}'s attention")
+        colwise, rowwise = styles()
+        return {
+            "blocks.*.attn.qkv": fused_colwise(3),
+            "blocks.*.attn.proj": rowwise(),
+            "blocks.*.fc": colwise(),
+            "blocks.*.proj": rowwise(),
+        }
+
     def pipeline_layers(self) -> str:
         """The container of the layers that pipeline stages split (dist.mesh=pp=N): each stage
         keeps a run of blocks, the first also the embeddings, the last ln_f and the head. A

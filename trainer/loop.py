@@ -280,7 +280,7 @@ def _evaluate(run: Run, clock: TrainClock) -> None:
             run.cfg.data.eval_batch_size,
             whole_batches=run.cfg.repro.world_invariant,
             mesh=run.mesh,
-            model_forward=getattr(run.step, "eval_forward", None),
+            model_forward=run.model_forward,
         )
         run.results.record_eval(result, run.state.step)
         metrics = {f"eval.{k}": v for k, v in result.items()}

@@ -8,6 +8,7 @@ Run it returns is complete (nothing sets its fields afterwards). The functions t
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -17,20 +18,22 @@ from trainer.checkpoint.init import load_init
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.resume import Resume
 from trainer.checkpoint.weights import load_weights_into
-from trainer.config import Config, TrainConfig, layout_of
+from trainer.config import Config, TrainConfig
 from trainer.diagnostics import ForwardTimer, Stragglers, Watchdog, Where
 from trainer.errors import ConfigError, UsageError
 from trainer.evaluate import evaluate
 from trainer.invariant import ShardedGradients
 from trainer.metrics import RunLogger
+from trainer.parallel import apply, pipeline, stages
 from trainer.parallel import mesh as meshes
-from trainer.parallel import pipeline, tensor
+from trainer.parallel.dims import ParallelDims
+from trainer.parallel.parts import ModelParts
 from trainer.ranks import World
 from trainer.results import Results
 from trainer.signals import StopSignal
 from trainer.state import LoopState, ModelState, Parts, RankRNG, ScheduleState
 from trainer.step import TrainStep, make_scaler
-from trainer.strategy import Strategy, WorldInvariant, checkpoint_activations, rank_memory
+from trainer.strategy import rank_memory
 from trainer.tasks import Task
 
 
@@ -54,7 +57,11 @@ class Run:
 
     cfg: Config
     world: World
-    strategy: Strategy
+    mesh: meshes.Mesh
+    """The layout (ParallelDims: dp x pp x tp, how the dp dimension holds the model) and this
+    rank's place on it: which slice of the data it reads and whether its loss counts."""
+    parts: ModelParts
+    """The model as this rank trains it (trainer/parallel/parts.py)."""
     data: data.DataSpec
     task: Task
     """What is learned from a batch: the loss and the metrics (trainer/tasks.py)."""
@@ -77,8 +84,9 @@ class Run:
     """time.time() when `trainer train` began."""
     resumed: Resume | None = None
     """The checkpoint the run continues from (None: a fresh start)."""
-    mesh: meshes.Mesh
-    """dp x pp x tp: which slice of the data this rank reads and whether its loss counts."""
+    model_forward: Callable | None = None
+    """A split model's evaluation forward (batch -> output on the last stage), None for a whole
+    one (trainer/parallel/stages.py)."""
     watchdog: Watchdog
     """Names a stall (trainer/diagnostics/); train starts it when training starts."""
     stragglers: Stragglers | None = None
@@ -90,7 +98,8 @@ class Run:
 
     @property
     def model(self) -> torch.nn.Module:
-        return self.step.model
+        """This rank's parameters under the whole model's names (the model, unwrapped)."""
+        return self.parts.view
 
     @property
     def run_dir(self) -> str:
@@ -129,7 +138,7 @@ class Run:
             f"test) | model {cfg.model.name} | task {self.task.name or type(self.task).__name__} | "
             f"world {w.size} x "
             f"{w.device} ({w.backend}, "
-            f"{self.strategy.name}) | global batch {cfg.data.global_batch_size}, "
+            f"{self.mesh.dims.name}) | global batch {cfg.data.global_batch_size}, "
             f"{self.steps_per_epoch} steps/epoch"
         )
 
@@ -174,29 +183,20 @@ def _check_shards_fit_batchnorm(cfg: Config, model: torch.nn.Module, n: int, pp:
         )
 
 
-def layout(model: torch.nn.Module, cfg: TrainConfig) -> torch.nn.Module:
-    """train.channels_last: the model's 4-d weights in channels-last memory (the step converts
-    each input batch to match)."""
-    return model.to(memory_format=torch.channels_last) if cfg.channels_last else model
-
-
 def build(
     cfg: Config,
     world: World,
-    strategy: Strategy,
+    dims: ParallelDims,
+    *,
     stop: StopSignal,
     started: float,
     plugins: Plugins | None = None,
     folder_chosen: bool = False,
 ) -> Run:
-    """Data, task, model, wrapping, optimizer and schedule, then the resume (or a fresh start):
-    the Run, complete."""
-    plugins = plugins or Plugins()
-    mesh = meshes.build(world, layout_of(cfg, world.size))  # dp x pp x tp (pure dp: no DeviceMesh)
-    strategy.dp_mesh = mesh.sub("dp")
-    if mesh.layout.tp > 1:  # the model's tensor-parallel plan, then the dp strategy, wraps it
-        strategy = tensor.TensorParallel(strategy, mesh)
-    spec, task, model = inputs(cfg, world.device, plugins)
+    """Data, task, model, its layout, optimizer and schedule, then the resume (or a fresh
+    start): the Run, complete."""
+    mesh = meshes.build(world, dims)  # this rank's place (a DeviceMesh only for a split model)
+    spec, task, model = inputs(cfg, world.device, plugins or Plugins())
     flops, peak = _flops(cfg, world, spec, task, model)
     model = lora.prepare(cfg.optim, model, cfg.ckpt)  # what trains
     per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
@@ -205,32 +205,34 @@ def build(
         _check_shards_fit_batchnorm(cfg, model, len(spec.train), mesh.layout.pp)
     if mesh.layout.pp > 1:
         pipeline.check_tail(len(spec.train), cfg, mesh, reached=total >= per_epoch)
-        strategy, model = _pipelined(cfg, world, mesh, strategy, model)
-    else:
-        model = _wrap(cfg, world, strategy, model)
-    step = _train_step(cfg, world, strategy, model, task, (per_epoch, total), mesh)
+    numbering = params.numbering(cfg.optim, model.named_parameters())  # the whole model's
+    parts = apply.parallelize(model, mesh, world, cfg.train)
+    step = _train_step(
+        cfg, world, parts, mesh=mesh, task=task, steps=(per_epoch, total), order=numbering
+    )
     log = RunLogger(
         main=world.is_main, progress=cfg.log.progress, total_steps=total, epochs=cfg.train.epochs
     )
-    if note := strategy.note(world):
+    if note := apply.note(parts, mesh, world):
         log.info(note)
-    parts = Parts(
-        model=ModelState(model, step.optimizer, strategy),
+    state = Parts(
+        model=ModelState(parts, step.optimizer, mesh, numbering),
         schedule=ScheduleState(step.scheduler, step.scaler),
         loop=LoopState(),
         results=Results(),
         rng=RankRNG(world, cfg.seed),
     )
-    ckpt = Checkpointer(cfg, world, parts, log)
+    ckpt = Checkpointer(cfg, world, state, log)
     resumed = ckpt.restore()
     if resumed is None:
-        _fresh_start(cfg, parts, log)
+        _fresh_start(cfg, state, log)
     hosts = ranks.gather_objects((world.node_rank, repro.hostname()))
     return Run(
-        cfg=cfg, world=world, strategy=strategy, data=spec, task=task, step=step, ckpt=ckpt,
-        log=log, stop=stop, state=parts.loop, results=parts.results, resumed=resumed, mesh=mesh,
+        cfg=cfg, world=world, mesh=mesh, parts=parts, data=spec, task=task, step=step,
+        ckpt=ckpt, log=log, stop=stop, state=state.loop, results=state.results, resumed=resumed,
         steps_per_epoch=per_epoch, total_steps=total, started=started, flops_per_sample=flops,
-        peak_flops=peak, watchdog=_watchdog(cfg, world), hosts=hosts,
+        peak_flops=peak, model_forward=stages.evaluator(parts.pipe, task, world.device),
+        watchdog=_watchdog(cfg, world), hosts=hosts,
         stragglers=Stragglers(world.size) if world.is_main else None, folder_chosen=folder_chosen,
     )  # fmt: skip
 
@@ -259,73 +261,45 @@ def _flops(cfg: Config, world: World, spec, task: Task, model) -> tuple:
     return perf.flops_per_sample(model, task, sample, world.device), peak
 
 
-def _wrap(cfg: Config, world: World, strategy: Strategy, model: torch.nn.Module):
-    """The model laid out, checkpointed, wrapped by the strategy and compiled, in that order."""
-    model = layout(model, cfg.train)
-    if cfg.train.activation_checkpointing:
-        checkpoint_activations(model)
-    model = strategy.wrap(model, world)
-    if cfg.train.compile:
-        model = torch.compile(model)  # after DDP: compiled graphs break at its bucket boundaries
-    return model
-
-
-def _pipelined(cfg: Config, world: World, mesh, strategy: Strategy, model: torch.nn.Module):
-    """dist.mesh with pp: the model laid out, its layers checkpointed, split into this rank's
-    stages (each wrapped by the dp strategy); the Pipelined strategy and the stages' view."""
-    model = layout(model, cfg.train)
-    if cfg.train.activation_checkpointing:
-        checkpoint_activations(model)
-    order = params.numbering(cfg.optim, model.named_parameters())  # before the split
-    pipe = pipeline.build(model, mesh, cfg.dist.pp_schedule, strategy, world, cfg.train.compile)
-    return pipeline.Pipelined(strategy, pipe, order), pipe.view
-
-
-def _train_step(cfg, world, strategy, model, task, steps: tuple, mesh) -> TrainStep:
-    """The optimizer (built after wrapping: FSDP's must see the sharded parameters), schedule,
+def _train_step(
+    cfg: Config, world: World, parts: ModelParts, *, mesh, task: Task, steps: tuple, order
+) -> TrainStep:
+    """The optimizer (built after the layout: FSDP's must see the sharded parameters), schedule,
     scaler and, under repro.world_invariant, the shard gradients, in one TrainStep (a
-    PipelineStep under pp). `steps`: (per epoch, in total)."""
+    PipelineStep under pp). `steps`: (per epoch, in total); `order`: the whole model's trainable
+    names (a pipeline stage's optim.groups are checked against them)."""
     per_epoch, total = steps
-    whole = strategy.order if isinstance(strategy, pipeline.Pipelined) else None
-    optimizer = optim.build(cfg.optim, model, whole)  # trainable parameters, optim.groups
+    split = parts.pipe is not None
+    optimizer = optim.build(cfg.optim, parts.view, order if split else None)
     kind, extra = TrainStep, {}
-    if isinstance(strategy, pipeline.Pipelined):
-        local = cfg.data.global_batch_size // mesh.data_size
-        micro = cfg.train.micro_batch_size or max(1, local // strategy.pipe.split.n)
-        extra = {"pipe": strategy.pipe, "data_size": mesh.data_size, "micro_batch": micro}
-        if isinstance(strategy.dp, WorldInvariant):  # a shard per micro-batch, the fixed tree
-            k = strategy.dp.shards
-            extra |= {"micro_batch": cfg.data.global_batch_size // k, "tree_shards": k}
-        kind = pipeline.PipelineStep
-    step = kind(
+    if split:
+        kind, extra = pipeline.PipelineStep, {"micro_batch": pipeline.micro_batch(cfg, mesh.dims)}
+    elif mesh.dims.shards:  # per-shard gradients added in the fixed tree
+        extra["shards"] = ShardedGradients(
+            parts.running, rank=world.rank, world_size=world.size, shards=mesh.dims.shards,
+            grouped=not (cfg.train.compile or cfg.train.activation_checkpointing),
+        )  # fmt: skip
+    return kind(
         **extra,
         cfg=cfg.train,
-        model=model,
+        parts=parts,
+        mesh=mesh,
         optimizer=optimizer,
         scheduler=optim.build_scheduler(cfg.sched, optimizer, per_epoch, total),
         scaler=make_scaler(cfg.train, world.device),
         task=task,
-        world_size=mesh.data_size,
-        contributes=mesh.contributes,
         device=world.device,
-        strategy=strategy,
         seed=cfg.seed,
         forward_s=ForwardTimer(world.device),
     )
-    if isinstance(strategy, WorldInvariant):
-        step.shards = ShardedGradients(
-            model, rank=world.rank, world_size=world.size, shards=strategy.shards,
-            grouped=not (cfg.train.compile or cfg.train.activation_checkpointing),
-        )  # fmt: skip
-    return step
 
 
 def _fresh_start(cfg: Config, parts: Parts, log: RunLogger) -> None:
     """No checkpoint to resume: ckpt.init_weights if set (matched by ckpt.init_*), then each
     rank's own RNG stream."""
     if cfg.ckpt.init_weights and not cfg.optim.lora_targets:  # LoRA: loaded beneath the adapters
-        model = parts.model
-        report = load_init(model.model, cfg.ckpt, model.strategy, cfg.model)
+        laid = parts.model.parts  # the model as this rank holds it
+        report = load_init(laid.view, cfg.ckpt, cfg.model, shapes=laid.shapes)
         log.info(f"initial weights from {cfg.ckpt.init_weights}")
         if not cfg.ckpt.init_strict or report.converted or report.excluded:
             log.info(report.table())

@@ -1,7 +1,8 @@
 """What survives a restart: the Stateful parts of a run, each with state_dict / load_state_dict.
 
-    ModelState     the model's weights and the optimizer's state, in torch.distributed.checkpoint's
-                   form (this rank's shards under fsdp) or whole (rank 0's copy of everything)
+    ModelState     the model's weights and the optimizer's state keyed by parameter name
+                   (trainer/namedstate.py), in torch.distributed.checkpoint's form (this rank's
+                   shards) or whole (rank 0's copy of everything)
     ScheduleState  the lr schedule's position and the fp16 loss scaler
     LoopState      where training is: epoch, step, samples seen. It is also the data position:
                    the sampler is a pure function of (seed, epoch, step in epoch), see sampler.py
@@ -14,51 +15,22 @@ them as `Parts`, decides format, verification and fallback, and never reaches in
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
-from trainer import ranks, repro
-from trainer.errors import first_line
+from trainer import namedstate, ranks, repro
+from trainer.namedstate import StateMismatch, fit_problem, loading
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.parts import ModelParts
 from trainer.results import Results
-from trainer.strategy import Strategy, local_part, unwrap
+from trainer.strategy import local_part
 
 if TYPE_CHECKING:
     from trainer.ranks import World
 
-
-class StateMismatch(ValueError):
-    """A saved state that does not fit this run; `part` names which (model, optimizer,
-    scheduler, scaler) and `detail` says how."""
-
-    def __init__(self, part: str, detail: str):
-        super().__init__(f"{part}: {detail}")
-        self.part, self.detail = part, detail
-
-
-@contextlib.contextmanager
-def loading(part: str):
-    """A loader's complaint about the saved contents -> StateMismatch naming the part."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
-        raise StateMismatch(part, first_line(e)) from None
-
-
-def fit_problem(model: nn.Module, state: dict) -> str | None:
-    """How a state dict fails to fit `model` (names first, then shapes), or None if it fits."""
-    expected = unwrap(model).state_dict()
-    missing = sorted(expected.keys() - state.keys())
-    unexpected = sorted(state.keys() - expected.keys())
-    if missing or unexpected:
-        return f"missing {missing[:5]}, unexpected {unexpected[:5]}"
-    for name, tensor in expected.items():
-        if tuple(tensor.shape) != tuple(state[name].shape):
-            return f"{name} has shape {tuple(state[name].shape)} there, {tuple(tensor.shape)} here"
-    return None
+__all__ = ["StateMismatch", "fit_problem", "loading"]  # the checkpoint package's names for them
 
 
 def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
@@ -73,79 +45,65 @@ def non_finite(state: dict[str, torch.Tensor]) -> list[str]:
 
 
 class ModelState:
-    """The model (as wrapped for training) and its optimizer, through the strategy that spread
-    them over the ranks."""
+    """The model as this rank trains it (ModelParts) and its optimizer, saved and loaded by
+    parameter name for every layout (trainer/namedstate.py)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, strategy: Strategy):
-        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+    def __init__(
+        self, parts: ModelParts, optimizer: torch.optim.Optimizer, mesh: Mesh, numbering=()
+    ):
+        self.parts, self.optimizer, self.mesh = parts, optimizer, mesh
+        self.numbering = tuple(numbering)
+        """The whole model's trainable parameter names group after group: what an index-keyed
+        optimizer state (a whole checkpoint written before names) numbers."""
         # Looked at once, as built: FSDP2 leaves a root's parameters unsharded after a forward
         # with no backward (an evaluation), so asking later could give another answer on the
         # next save, and rank 0 alone would gather.
-        self.sharded = any(hasattr(p, "to_local") for p in model.parameters()) or getattr(
-            strategy, "splits_model", False
+        self.sharded = parts.pipe is not None or any(
+            hasattr(p, "to_local") for p in parts.view.parameters()
         )
-        """Whether this rank holds only shards of the weights (DTensors, as under fsdp): then no
-        rank can write the whole model alone; or a model split into pipeline stages)."""
+        """Whether this rank holds only part of the weights (DTensor shards, as under fsdp or
+        tp, or a pipeline's stages): then no rank can write the whole model alone."""
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """This rank's parameters under the whole model's names."""
+        return self.parts.view
 
     @property
     def layout(self) -> str:
-        """How the weights are spread (the strategy's name): recorded in meta.json."""
-        return self.strategy.name
+        """How the weights are spread ('fsdp', 'ddp+pp', ...): recorded in meta.json."""
+        return self.mesh.dims.name
 
     def state_dict(self, flat: bool = True) -> dict:
-        """{"model", "optim"} in torch.distributed.checkpoint's form: keyed by parameter name,
-        this rank's shards where sharded (DCP imports in ~1 s: called for sharded saves only)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
-
-        # Flattened: one key per parameter, param groups included, so any layout (another pp
-        # split, a whole model) finds each parameter's state by its name. `flat=False`: the
-        # form sharded checkpoints had before meshes (meta.json without "optimizer_keys").
-        options = StateDictOptions(flatten_optimizer_state_dict=flat)
-        model_state, optim_state = get_state_dict(
-            unwrap(self.model), self.optimizer, options=options
-        )
-        return {"model": model_state, "optim": self.strategy.canonical(optim_state)}
+        """{"model", "optim"} in torch.distributed.checkpoint's form, keyed by parameter name,
+        this rank's shards (DCP imports in ~1 s: called for sharded saves only)."""
+        return namedstate.sharded(self.parts, self.optimizer, flat)
 
     def load_state_dict(self, state: dict, flat: bool = True) -> None:
         """Load what state_dict(flat) gave (filled in by DCP), whatever layout and world size
         saved it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-        set_state_dict(
-            unwrap(self.model),
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=self.strategy.canonical(state["optim"], back=True),
-            options=StateDictOptions(flatten_optimizer_state_dict=flat),
-        )
+        namedstate.load_sharded(self.parts, self.optimizer, state, flat)
 
     def whole_state_dict(self) -> dict:
-        """{"model": the whole weights as plain CPU tensors (no `module.`/`_orig_mod.`),
-        "optimizer": torch's own state_dict (parameters numbered)}: a whole checkpoint's."""
-        return {
-            "model": self.strategy.full_state_dict(self.model),
-            "optimizer": self.optimizer.state_dict(),
-        }
+        """{"model": the whole weights, "optimizer": the optimizer state keyed by name} of a
+        model this rank holds whole: the live tensors (a whole checkpoint copies them)."""
+        return namedstate.whole(self.parts, self.optimizer)
 
-    def load_whole_state_dict(self, state: dict) -> None:
-        """Load what whole_state_dict gave (every rank passes all of it); StateMismatch names the
-        part that does not fit."""
-        state = {**state, "model": self.strategy.select(state["model"])}
-        if problem := fit_problem(self.model, state["model"]):
-            raise StateMismatch("model", problem)
-        self.strategy.load_state_dict(self.model, state["model"])
-        with loading("optimizer"):
-            self.strategy.load_optimizer_state(self.model, self.optimizer, state["optimizer"])
+    def load_whole_state_dict(self, state: dict, index_keyed: bool = False) -> None:
+        """Load a whole checkpoint's {"model", "optimizer"} (every rank passes all of it) into
+        this layout; `index_keyed`: an optimizer state numbered rather than named (written
+        before names). StateMismatch names the part that does not fit."""
+        numbering = self.numbering if index_keyed else None
+        namedstate.load_whole(self.parts, self.optimizer, state, numbering)
 
     def local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's part of the live weights (its shards where sharded), on the CPU."""
-        state = unwrap(self.model).state_dict()
-        return {k: local_part(v).detach().cpu() for k, v in state.items()}
+        return namedstate.local_weights(self.parts.view)
 
     def non_finite(self) -> list[str]:
         """What of this rank's model and optimizer state holds NaN/inf: a checkpoint that would
         only diverge on its first step."""
-        bad = non_finite(unwrap(self.model).state_dict())
+        bad = non_finite(self.parts.view.state_dict())
         for i, per_param in enumerate(self.optimizer.state.values()):
             bad += non_finite({f"optimizer state {i}.{k}": v for k, v in per_param.items()})
         return bad

@@ -25,7 +25,10 @@ from trainer import ranks
 from trainer.config import TrainConfig
 from trainer.diagnostics import ForwardTimer
 from trainer.invariant import ShardedGradients, seed_shard
-from trainer.strategy import Strategy
+from trainer.parallel.clip import clipper
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.parts import ModelParts
+from trainer.strategy import no_sync_for
 from trainer.tasks import Task, checked_count, checked_loss, forward, no_terms
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -49,15 +52,19 @@ class TrainStep:
     """
 
     cfg: TrainConfig
-    model: nn.Module
+    parts: ModelParts
+    """The model as this rank trains it (trainer/parallel/parts.py): a whole model runs as
+    parts.running; the optimizer holds parts.view's parameters."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
     task: Task
     """What the loss is and how a batch reaches the model (trainer/tasks.py)."""
-    world_size: int = 1
+    mesh: Mesh = field(default_factory=Mesh)
+    """The run's layout and this rank's place (trainer/parallel/mesh.py): how many slices a
+    global batch is cut into, and whether this rank's loss counts (under tp every rank of a
+    replica computes the same loss, and only its first returns it and counts its terms)."""
     device: str = "cpu"
-    strategy: Strategy = field(default_factory=Strategy)
     skipped_steps: int = 0
     """fp16 steps skipped for an inf/nan gradient."""
     shards: ShardedGradients | None = None
@@ -66,9 +73,6 @@ class TrainStep:
     """Seeds each shard's dropout (with the step and shard index) under repro.world_invariant."""
     forward_s: ForwardTimer = field(default_factory=lambda: ForwardTimer("cpu"))
     """This rank's forward time (straggler accounting: trainer/diagnostics/stragglers.py)."""
-    contributes: bool = True
-    """Whether this rank's loss counts (trainer/parallel/mesh.py): under tp every rank of a
-    replica computes the same loss, and only its first returns it and counts its terms."""
     _start_key: tuple | None = field(default=None, repr=False)
     _start_grad: torch.Tensor | None = field(default=None, repr=False)
 
@@ -77,6 +81,16 @@ class TrainStep:
         # model's step went to such calls, all of them run cold after the step's kernels).
         self._fp16 = self.scaler.is_enabled()
         self._dtype = _DTYPES[self.cfg.precision]
+        self._world_size = self.mesh.data_size
+        self._contributes = self.mesh.contributes
+        self._running = self.parts.running
+        self._no_sync = no_sync_for(self._running)
+        self._clip_to = clipper(self.parts, self.mesh)
+
+    @property
+    def model(self) -> nn.Module:
+        """The module a whole model runs as (wrapped, compiled)."""
+        return self.parts.running
 
     def _chunks(self, batch) -> list:
         return batches.split(batch, self.cfg.micro_batch_size)
@@ -97,16 +111,16 @@ class TrainStep:
         chunks = self._chunks(batch)
         terms = self._global_terms(global_count, lambda: chunks, index)
         # Sum of losses x world / global terms: after the gradient average, sum / terms.
-        factor = self.world_size / terms
+        factor = self._world_size / terms
         *early, last = chunks
         sums = []
         for chunk in early:  # accumulated without the gradient all-reduce
-            with self.strategy.no_sync(self.model):
+            with self._no_sync():
                 sums.append(self._backward(chunk, factor))
         sums.append(self._backward(last, factor))  # the gradient all-reduce (DDP)
         total = functools.reduce(operator.add, sums)  # in micro-step order
         self._update()
-        return total / terms if self.contributes else torch.zeros_like(total)
+        return total / terms if self._contributes else torch.zeros_like(total)
 
     def _global_terms(self, global_count: int, pieces, index: int) -> int:
         """Loss terms in the whole global batch: from the sample count for a task with a fixed
@@ -114,7 +128,7 @@ class TrainStep:
         per_sample = self.task.terms_per_sample
         if per_sample is not None:
             return global_count * per_sample
-        pieces = pieces if self.contributes else list
+        pieces = pieces if self._contributes else list
         local = sum(checked_count(self.task, self.task.count(p)) for p in pieces())
         total = torch.tensor(float(local), dtype=torch.float64, device=self.device)
         terms = int(ranks.all_reduce_sum(total).item())
@@ -154,7 +168,7 @@ class TrainStep:
     def _forward_loss(self, batch) -> torch.Tensor:
         """The forward (timed for the straggler report) and the task's summed loss."""
         self.forward_s.start()
-        out = forward(self.task, self.model, batch)
+        out = forward(self.task, self._running, batch)
         self.forward_s.stop()
         return checked_loss(self.task, self.task.loss(out, batch))
 
@@ -207,7 +221,7 @@ class TrainStep:
         """Clip, step (skipped on an fp16 overflow), update the loss scale, advance the lr."""
         if self.cfg.clip_grad_norm is not None:
             self.scaler.unscale_(self.optimizer)
-            self._clip()
+            self._clip_to(self.cfg.clip_grad_norm)
         if not self._fp16:
             self.optimizer.step()
             self.scheduler.step()
@@ -226,11 +240,6 @@ class TrainStep:
                 "ignore", message=re.escape("Detected call of `lr_scheduler.step()`")
             )
             self.scheduler.step()
-
-    def _clip(self) -> None:
-        """Clip the global gradient norm to train.clip_grad_norm (a split model: its own)."""
-        clip = getattr(self.strategy, "clip_grad_norm", torch.nn.utils.clip_grad_norm_)
-        clip(self.model.parameters(), self.cfg.clip_grad_norm)
 
 
 def _channels_last(t: torch.Tensor) -> torch.Tensor:

@@ -1,75 +1,141 @@
-"""How the model is spread over ranks: none | ddp | fsdp | dp, behind one small interface.
-
-A Strategy wraps the model for training, turns off the gradient sync for all micro-steps but the
-last, and moves whole (unsharded) state dicts in and out. How a checkpoint holds the weights is
-the checkpointer's decision, from the state itself (trainer/state.py: DTensor shards or not).
-`unwrap` gives the user's module back; a state dict never carries `module.`/`_orig_mod.`.
+"""How the dp dimension holds each model part: none | ddp | fsdp | dp, as plain functions of the
+run's ParallelDims (trainer/parallel/dims.py). `wrap` wraps a part for training (trainer/parallel/
+apply.py calls it in its fixed order), `no_sync_for` gives the context that turns off the gradient
+sync for all micro-steps but the last, `step_split` reads DDP's own timings. How a checkpoint holds
+the weights is the checkpointer's decision, from the state itself (trainer/state.py: DTensor
+shards or not). `unwrap` gives the user's module back; a state dict never carries
+`module.`/`_orig_mod.`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from trainer.errors import UsageError
+from trainer.errors import ConfigError, UsageError
 
 if TYPE_CHECKING:
-    from trainer.config import Config
+    from trainer.parallel.dims import ParallelDims
     from trainer.ranks import World
 
 
-class Strategy:
-    """none: the model as it is, in one process."""
+def wrap(
+    model: nn.Module,
+    dims: ParallelDims,
+    world: World,
+    dp_mesh=None,
+    ignored: Collection[nn.Parameter] = (),
+) -> nn.Module:
+    """`model` wrapped as dims.wraps says, over `dp_mesh` (the mesh's dp dimension; None: the
+    whole world). `ignored`: parameters FSDP leaves whole on every rank (a pipeline's weights
+    tied across stages, whose per-micro-batch gradients the pipeline adds itself)."""
+    how = dims.wraps
+    if how == "ddp" and dims.layout.dp > 1:
+        return _ddp(model, world, dims.sync_bn, dp_mesh)
+    if how == "fsdp":
+        return _fsdp(model, world, dims.fsdp, dp_mesh, ignored)
+    if how == "dp":
+        return _data_parallel(model, world)
+    return model
 
-    name = "none"
-    needs_group = False
-    """A process group even for one process."""
-    dp_mesh = None
-    """The data-parallel dimension of a model-parallel run's mesh (a 1-D DeviceMesh), which
-    DDP and FSDP then span; None: the whole world (pure data parallelism)."""
 
-    def wrap(self, model: nn.Module, world: World) -> nn.Module:
-        return model
+def _ddp(model: nn.Module, world: World, sync_bn: bool, dp_mesh) -> nn.Module:
+    """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets."""
+    from torch.nn.parallel import DistributedDataParallel
 
-    def note(self, world: World) -> str | None:
-        """A line for the user about this choice (rank 0 prints it), or None."""
-        return None
+    if sync_bn:
+        model = convert_sync_bn(model, world.device)
+    ids = [world.local_rank] if world.on_cuda else None
+    # DDP broadcasts rank 0's parameters at construction, so every rank starts identical.
+    group = None if dp_mesh is None else dp_mesh.get_group()
+    return DistributedDataParallel(model, device_ids=ids, process_group=group)
 
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        """Around a micro-step whose gradients must not be synchronised yet."""
-        return contextlib.nullcontext()
 
-    def full_state_dict(self, model: nn.Module, world: World | None = None) -> dict | None:
-        """The whole model's weights as plain CPU tensors (a collective for sharded strategies:
-        every rank calls it). With `world`, only rank 0 receives them (None elsewhere)."""
-        if world is not None and not world.is_main:
-            return None
-        return plain_state_dict(model)
+_MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
-    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load whole weights (every rank passes all of them) into the wrapped model."""
-        unwrap(model).load_state_dict(state)
 
-    def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
-        """Load torch's own (whole, index-keyed) optimizer state_dict."""
-        optimizer.load_state_dict(state)
+def _fsdp(model: nn.Module, world: World, options, dp_mesh, ignored) -> nn.Module:
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
 
-    def step_split(self, model: nn.Module) -> dict | None:
-        """Where a step's time went, as the wrapper itself measured it (None: not measured)."""
-        return None
+    Each shard unit (transformer block, ResNet stage) is sharded on its own, then the root, so
+    only one unit's parameters are gathered at a time. train.precision bf16/fp16 computes in
+    that dtype and reduces gradients in fp32 into fp32 master shards. FSDP at world 1 runs on a
+    one-rank mesh (FSDP2 and DCP need one).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
-    def select(self, state: dict) -> dict:
-        """This rank's entries of a whole model's state dict (all of them: it holds the model)."""
-        return state
+    mesh = dp_mesh or init_device_mesh(torch.device(world.device).type, (world.size,))
+    dtype = _MP_DTYPES.get(options.precision)
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+    offload = CPUOffloadPolicy() if options.cpu_offload else OffloadPolicy()
+    kwargs = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
+    if ignored:
+        kwargs["ignored_params"] = set(ignored)
+    for unit in shard_units(model):
+        fully_shard(unit, reshard_after_forward=options.reshard_after_forward, **kwargs)
+    # The root's parameters (embeddings, head) are needed again at once by the backward.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model
 
-    def canonical(self, optim_state: dict, back: bool = False) -> dict:
-        """A flattened optimizer state dict under the whole model's parameter names (`back`:
-        from them to this rank's); the same names here."""
-        return optim_state
+
+def _data_parallel(model: nn.Module, world: World) -> nn.Module:
+    """Legacy single-process nn.DataParallel over this process's GPUs (the tutorials' first
+    step). Each step scatters the batch and replicates the model from GPU 0; DDP is faster."""
+    if not world.on_cuda:
+        return model  # DataParallel on the CPU is the bare module (and would want GPU 0)
+    return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())))
+
+
+def note(dims: ParallelDims, world: World) -> str | None:
+    """A line for the user about how the dp dimension holds the model (rank 0 prints it)."""
+    if dims.shards:
+        k = dims.shards
+        return (
+            f"repro.world_invariant: {k} shards per global batch, {k // world.size} per rank, "
+            f"gradients added in a fixed tree (the same bits on any world size that divides {k})"
+        )
+    if dims.dp == "dp":
+        gpus = torch.cuda.device_count() if world.on_cuda else 0
+        where = f"over {gpus} GPU(s)" if gpus else "on the CPU (it only splits work over GPUs)"
+        return (
+            f"warning: dist.strategy=dp runs nn.DataParallel {where} in one process; "
+            "dist.strategy=ddp under torchrun --nproc-per-node=N (one process per GPU) is faster"
+        )
+    return None
+
+
+def no_sync_for(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context a micro-step whose gradients must not be synchronised yet runs in, for the
+    module as it runs (compiled or not): DDP's no_sync, FSDP2's gradient-sync switch (accumulate
+    unsharded, reduce-scatter at the last), or nothing."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    inner = getattr(model, "_orig_mod", model)  # torch.compile's module: what it compiled
+    if isinstance(inner, DistributedDataParallel):
+        return inner.no_sync
+    if callable(getattr(inner, "set_requires_gradient_sync", None)):  # fully_shard's module
+        return functools.partial(_fsdp_no_sync, inner)
+    return contextlib.nullcontext
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 _DDP_TIMES = {  # DDP's own averages over its sampled iterations, in ns
@@ -80,179 +146,21 @@ _DDP_TIMES = {  # DDP's own averages over its sampled iterations, in ns
 }
 
 
-class DDP(Strategy):
-    """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets."""
-
-    name = "ddp"
-
-    def __init__(self, sync_bn: bool = False):
-        self.sync_bn = sync_bn
-
-    def wrap(self, model: nn.Module, world: World) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        if self.sync_bn:
-            model = convert_sync_bn(model, world.device)
-        ids = [world.local_rank] if world.on_cuda else None
-        # DDP broadcasts rank 0's parameters at construction, so every rank starts identical.
-        group = None if self.dp_mesh is None else self.dp_mesh.get_group()
-        return DistributedDataParallel(model, device_ids=ids, process_group=group)
-
-    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager:
-        return model.no_sync()
-
-    def step_split(self, model: nn.Module) -> dict | None:
-        """DDP's sampled timings of this rank (the first iterations, then about every 100th):
-        forward, backward compute, the gradient all-reduce, the part of it that overlapped the
-        backward, and the rest (`allreduce_exposed_ms`), which the step waited for."""
-        try:
-            data = model._get_ddp_logging_data()
-        except (AttributeError, RuntimeError):  # a private API: absent in some torch version
-            return None
-        if not all(isinstance(data.get(k), int) for k in _DDP_TIMES.values()):
-            return None
-        out = {name: data[key] / 1e6 for name, key in _DDP_TIMES.items()}
-        out["allreduce_exposed_ms"] = max(0.0, out["allreduce_ms"] - out["allreduce_overlapped_ms"])
-        out["last_sampled_iteration"] = data.get("iteration")
-        return out
-
-
-_MP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-class FSDP(Strategy):
-    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded over the ranks.
-
-    Each shard unit (transformer block, ResNet stage) is sharded on its own, then the root, so
-    only one unit's parameters are gathered at a time. train.precision bf16/fp16 computes in
-    that dtype and reduces gradients in fp32 into fp32 master shards.
-    """
-
-    name = "fsdp"
-    needs_group = True
-    """Even on one rank: FSDP2 and DCP work on a device mesh, which needs a process group."""
-
-    def __init__(self, precision: str, reshard_after_forward: bool, cpu_offload: bool):
-        self.precision = precision
-        self.reshard_after_forward = reshard_after_forward
-        self.cpu_offload = cpu_offload
-        self.whole: set[nn.Parameter] = set()
-        """Parameters left whole on every rank (FSDP's ignored_params): a pipeline's weights
-        tied across stages, whose per-micro-batch gradients it adds itself."""
-
-    def wrap(self, model: nn.Module, world: World) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
-
-        mesh = self.dp_mesh or init_device_mesh(torch.device(world.device).type, (world.size,))
-        dtype = _MP_DTYPES.get(self.precision)
-        policy = MixedPrecisionPolicy(
-            param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None
-        )
-        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        options = {"mesh": mesh, "mp_policy": policy, "offload_policy": offload}
-        if self.whole:
-            options["ignored_params"] = self.whole
-        for unit in shard_units(model):
-            fully_shard(unit, reshard_after_forward=self.reshard_after_forward, **options)
-        # The root's parameters (embeddings, head) are needed again at once by the backward.
-        fully_shard(model, reshard_after_forward=False, **options)
-        return model
-
-    @contextlib.contextmanager
-    def no_sync(self, model: nn.Module):
-        model.set_requires_gradient_sync(False)  # accumulate unsharded; reduce-scatter at the last
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-
-    def full_state_dict(self, model: nn.Module, world: World | None = None) -> dict | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # cpu_offload keeps the whole weights on global rank 0 only; a model split over a mesh
-        # needs them on each stage's dp rank 0, so there every rank gathers its stage's.
-        options = StateDictOptions(full_state_dict=True, cpu_offload=self.dp_mesh is None)
-        state = get_model_state_dict(model, options=options)  # all-gathers; rank 0 keeps it
-        if world is not None and not world.is_main:
-            return None
-        return {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-
-    def load_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-    def load_optimizer_state(self, model: nn.Module, optimizer, state: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
-        keyed = _by_parameter_name(model, optimizer, state)
-        options = StateDictOptions(full_state_dict=True)
-        set_optimizer_state_dict(model, optimizer, keyed, options=options)
-
-
-class DataParallel(Strategy):
-    """Legacy single-process nn.DataParallel over this process's GPUs (the tutorials' first
-    step). Each step scatters the batch and replicates the model from GPU 0; DDP is faster."""
-
-    name = "dp"
-
-    def note(self, world: World) -> str | None:
-        gpus = torch.cuda.device_count() if world.on_cuda else 0
-        where = f"over {gpus} GPU(s)" if gpus else "on the CPU (it only splits work over GPUs)"
-        return (
-            f"warning: dist.strategy=dp runs nn.DataParallel {where} in one process; "
-            "dist.strategy=ddp under torchrun --nproc-per-node=N (one process per GPU) is faster"
-        )
-
-    def wrap(self, model: nn.Module, world: World) -> nn.Module:
-        if not world.on_cuda:
-            return model  # DataParallel on the CPU is the bare module (and would want GPU 0)
-        return nn.DataParallel(model, device_ids=list(range(torch.cuda.device_count())))
-
-
-class WorldInvariant(Strategy):
-    """repro.world_invariant over strategy none or ddp: a plain replica per rank (no DDP hooks);
-    the train step combines the shard gradients itself (trainer/invariant.py). Every rank builds
-    the same initial weights from the seed, or loads the same checkpoint."""
-
-    def __init__(self, name: str, shards: int):
-        self.name, self.shards = name, shards
-
-    def note(self, world: World) -> str | None:
-        return (
-            f"repro.world_invariant: {self.shards} shards per global batch, "
-            f"{self.shards // world.size} per rank, gradients added in a fixed tree (the same "
-            f"bits on any world size that divides {self.shards})"
-        )
-
-
-def choose(cfg: Config, world: World) -> Strategy:
-    """The strategy dist.strategy names, checked against this world (auto: ddp on several ranks).
-
-    Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
-    """
-    from trainer.config import layout_of, resolve_strategy
-
-    name = resolve_strategy(cfg, world.size, on_cuda=world.on_cuda)
-    dp = layout_of(cfg, world.size).dp
-    if cfg.repro.world_invariant:
-        return WorldInvariant(name, cfg.repro.shards)
-    if name == "fsdp":
-        return FSDP(cfg.train.precision, cfg.fsdp.reshard_after_forward, cfg.fsdp.cpu_offload)
-    if name == "dp":
-        return DataParallel()
-    if name == "ddp" and dp > 1:
-        return DDP(sync_bn=cfg.model.sync_bn)
-    return Strategy()
+def step_split(model: nn.Module) -> dict | None:
+    """DDP's sampled timings of this rank (the first iterations, then about every 100th):
+    forward, backward compute, the gradient all-reduce, the part of it that overlapped the
+    backward, and the rest (`allreduce_exposed_ms`), which the step waited for. None where the
+    module is not DDP's (nothing measured)."""
+    try:
+        data = model._get_ddp_logging_data()
+    except (AttributeError, RuntimeError):  # not DDP, or a private API absent in some torch
+        return None
+    if not all(isinstance(data.get(k), int) for k in _DDP_TIMES.values()):
+        return None
+    out = {name: data[key] / 1e6 for name, key in _DDP_TIMES.items()}
+    out["allreduce_exposed_ms"] = max(0.0, out["allreduce_ms"] - out["allreduce_overlapped_ms"])
+    out["last_sampled_iteration"] = data.get("iteration")
+    return out
 
 
 def shard_units(model: nn.Module) -> list[nn.Module]:
@@ -325,26 +233,6 @@ def rank_memory(model: nn.Module, optimizer) -> dict[str, int]:
     }
 
 
-def _by_parameter_name(model: nn.Module, optimizer, state: dict) -> dict:
-    """torch's optimizer state_dict keyed by parameter name instead of number: the form
-    torch.distributed.checkpoint's set_* functions take. A whole checkpoint numbers the trainable
-    parameters group after group (optim.groups, optim.decay), as `optimizer`, built by the same
-    config over the same model, does."""
-    names = optimizer_names(model, optimizer)
-    return {
-        "state": {names[i]: v for i, v in state["state"].items()},
-        "param_groups": [
-            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
-        ],
-    }
-
-
-def optimizer_names(model: nn.Module, optimizer) -> list[str]:
-    """The names of `optimizer`'s parameters in the order its state_dict numbers them."""
-    name_of = {id(p): n for n, p in unwrap(model).named_parameters()}
-    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-
 def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:
     """BatchNorm*d -> SyncBatchNorm: batch statistics over the whole global batch, not per rank.
 
@@ -354,8 +242,8 @@ def convert_sync_bn(model: nn.Module, device: str) -> nn.Module:
     has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
     if not has_bn:
         return model
-    if not device.startswith("cuda"):
-        raise UsageError(
+    if not device.startswith("cuda"):  # the same on every rank: rank 0 alone says it
+        raise ConfigError(
             "model.sync_bn=true needs CUDA devices: torch's SyncBatchNorm does not run on CPU "
             "(gloo); set model.sync_bn=false (each rank then normalises with its own slice's "
             "statistics)"
@@ -374,8 +262,11 @@ def unwrap(model: nn.Module) -> nn.Module:
             return model
 
 
+def plain_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, unshared copies of a state dict's tensors (what safetensors stores)."""
+    return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
+
+
 def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """CPU, contiguous, unshared tensors of the unwrapped model: no `module.`/`_orig_mod.` keys."""
-    return {
-        k: v.detach().to("cpu").contiguous().clone() for k, v in unwrap(model).state_dict().items()
-    }
+    return plain_copy(unwrap(model).state_dict())

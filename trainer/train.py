@@ -20,12 +20,24 @@ import time
 
 import torch
 
-from trainer import dryrun, loop, metrics, ranks, repro, rundir, startup, strategy, tracking
+from trainer import (
+    dryrun,
+    loop,
+    metrics,
+    namedstate,
+    ranks,
+    repro,
+    rundir,
+    startup,
+    strategy,
+    tracking,
+)
 from trainer.checkpoint.weights import save_weights
 from trainer.config import Config, check_world_size, to_dict
 from trainer.diagnostics import flight_recorder_env
 from trainer.errors import ConfigError, first_line, io_error
 from trainer.orphans import LauncherWatch
+from trainer.parallel.dims import ParallelDims, describe
 from trainer.run import Plugins, Run, build
 from trainer.runlock import RunLock
 from trainer.signals import StopSignal
@@ -49,16 +61,27 @@ def train(
     started = time.time()
     tracking.check(cfg, os.environ)  # a tracking mistake: one line before any work
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
-    how = strategy.choose(cfg, world)
+    dims = describe(cfg, world.size, on_cuda=world.on_cuda)  # the layout, checked: dp x pp x tp
     check_world_size(cfg, world.size)
     with repro.process_settings(cfg.repro, world.device):  # nothing global outlives the call
-        return _train(cfg, world, how, stop, started, dry_run, plugins or Plugins())
+        return _train(
+            cfg, world, dims, stop=stop, started=started, dry_run=dry_run, plugins=plugins
+        )
 
 
-def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
+def _train(
+    cfg: Config,
+    world,
+    dims: ParallelDims,
+    *,
+    stop: StopSignal,
+    started: float,
+    dry_run: bool,
+    plugins: Plugins | None,
+) -> dict:
     with (
         _flight_recorder(cfg, world),
-        ranks.process_group(world, cfg.dist.timeout_s, even_alone=how.needs_group),
+        ranks.process_group(world, cfg.dist.timeout_s, even_alone=dims.needs_group),
         LauncherWatch().start() as launcher,  # a rank torchrun started dies with torchrun
     ):
         chosen_here = not cfg.run_dir
@@ -67,7 +90,10 @@ def _train(cfg, world, how, stop, started, dry_run, plugins) -> dict:
             chosen = ranks.main_decides(pick, error=ConfigError)
             cfg = dataclasses.replace(cfg, run_dir=chosen)
         with _holding(cfg.run_dir, world, launcher):  # one job per run folder
-            run = build(cfg, world, how, stop, started, plugins, folder_chosen=chosen_here)
+            run = build(
+                cfg, world, dims, stop=stop, started=started, plugins=plugins,
+                folder_chosen=chosen_here,
+            )  # fmt: skip
             result = dryrun.check(run) if dry_run else _fit(run)
         if dry_run and world.is_main and chosen_here:  # no empty folder of a run that never ran
             with contextlib.suppress(OSError):
@@ -199,7 +225,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "hostnames": hosts,
         "device": w.device,
         "backend": w.backend,
-        "strategy": run.strategy.name,
+        "strategy": run.mesh.dims.name,
         "restart_count": w.restart_count,
         "git": repro.git_commit() if w.is_main else None,
         "versions": metrics.versions(),
@@ -231,14 +257,14 @@ def finish(run: Run, record: dict) -> dict:
         "precision": run.cfg.train.precision,
         "skipped_steps": skipped,
         "memory": memory,  # per rank
-        "step_split_ms": run.strategy.step_split(run.model),  # rank 0's, where measured (ddp)
+        "step_split_ms": _step_split(run),  # rank 0's, where measured (ddp)
         "ranks": run.stragglers.table(run.hosts) if run.stragglers else None,
         "peak_gpu_memory_gib": (
             torch.cuda.max_memory_allocated(w.device) / 2**30 if w.on_cuda else None
         ),
         "config": to_dict(run.cfg),
     }
-    weights = run.strategy.full_state_dict(run.model, w)  # every rank: shards are gathered
+    weights = namedstate.whole_weights(run.parts, run.mesh, w.is_main)  # a collective
     if w.is_main:
         final = os.path.join(run.run_dir, "final")
         try:
@@ -253,6 +279,11 @@ def finish(run: Run, record: dict) -> dict:
             ) from None
         run.log.info(_done_line(run, summary))
     return summary
+
+
+def _step_split(run: Run) -> dict | None:
+    """DDP's own timing of the step, of a whole model (None where not measured)."""
+    return strategy.step_split(run.parts.running) if run.parts.pipe is None else None
 
 
 def _throughput(run: Run, train_time: float) -> dict:

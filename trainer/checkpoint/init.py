@@ -21,8 +21,9 @@ from torch import nn
 from trainer import hf
 from trainer.checkpoint.weights import config_hint, read_weights
 from trainer.errors import UsageError
+from trainer.namedstate import load_weights, mine
 from trainer.params import matches, patterns
-from trainer.strategy import Strategy, unwrap
+from trainer.strategy import unwrap
 
 
 @dataclass
@@ -93,19 +94,20 @@ def matched(state: dict, cfg, model_keys) -> tuple[dict, InitReport]:
     return state, report
 
 
-def load_init(
-    model: nn.Module, cfg, strategy: Strategy | None = None, model_cfg=None
-) -> InitReport:
-    """Load cfg.init_weights (cfg: the CkptConfig) into `model` (wrapped or not): see the module
-    docstring. Raises a one-line UsageError for a strict mismatch or when no key matches."""
-    path, strategy = cfg.init_weights, strategy or Strategy()
-    expected = {k: tuple(v.shape) for k, v in unwrap(model).state_dict().items()}
+def load_init(model: nn.Module, cfg, model_cfg=None, *, shapes=None) -> InitReport:
+    """Load cfg.init_weights (cfg: the CkptConfig) into `model` (wrapped or not, whole or this
+    rank's part of a laid-out model): see the module docstring. `shapes`: the whole model's
+    state_dict keys -> shapes (ModelParts.shapes; default: the model's own), which the source is
+    matched against, the same on every rank. Raises a one-line UsageError for a strict mismatch
+    or when no key matches."""
+    path, view = cfg.init_weights, unwrap(model)
+    expected = shapes or {k: tuple(v.shape) for k, v in view.state_dict().items()}
     state, report = matched(read_weights(path), cfg, expected.keys())
     excluded_here = [k for k in expected if matches(k, patterns(cfg.init_exclude))]
     report.unexpected = [k for k in state if k not in expected]
     for key, shape in expected.items():  # in the model's order
-        if key in state and tuple(state[key].shape) != shape:
-            report.mismatched.append((key, tuple(state[key].shape), shape))
+        if key in state and tuple(state[key].shape) != tuple(shape):
+            report.mismatched.append((key, tuple(state[key].shape), tuple(shape)))
         elif key in state:
             report.loaded.append(key)
     report.missing = [k for k in expected if k not in report.loaded]
@@ -117,10 +119,8 @@ def load_init(
         )
     if cfg.init_strict:
         _strict(path, report, excluded_here, model_cfg)
-    fits = {k: state[k] for k in report.loaded}
-    if report.missing:  # keep the fresh initialisation (the same on every rank: same seed)
-        fits = {**strategy.full_state_dict(model), **fits}
-    strategy.load_state_dict(model, fits)
+    # What is missing keeps its fresh initialisation (the same on every rank: the same seed).
+    load_weights(view, mine({k: state[k] for k in report.loaded}, view), strict=False)
     return report
 
 

@@ -41,6 +41,7 @@ from trainer.errors import (
     is_permanent_io,
 )
 from trainer.state import StateMismatch
+from trainer.strategy import plain_copy
 
 if TYPE_CHECKING:
     from trainer.metrics import RunLogger
@@ -247,9 +248,11 @@ class Checkpointer:
                 state = model.state_dict(flat)
                 sharded.load(state, path)
                 model.load_state_dict(state, flat)
-            else:
+            else:  # optimizer state keyed by name; by index before names ("optimizer_keys")
+                named = payload["meta"].get("optimizer_keys") == "names"
                 model.load_whole_state_dict(
-                    {"model": payload["model"], "optimizer": payload["optimizer"]}
+                    {"model": payload["model"], "optimizer": payload["optimizer"]},
+                    index_keyed=not named,
                 )
             self.parts.schedule.load_state_dict({k: extra.get(k) for k in ("scheduler", "scaler")})
         except StateMismatch as e:
@@ -367,8 +370,8 @@ class Checkpointer:
         if not self.world.is_main:
             return None
         step = self.parts.loop.step
-        whole = self.parts.model.whole_state_dict()  # the model's weights: CPU copies already
-        model, optimizer = whole["model"], whole["optimizer"]
+        whole = self.parts.model.whole_state_dict()  # the live tensors, keyed by name
+        model, optimizer = plain_copy(whole["model"]), whole["optimizer"]  # safetensors: unshared
         common = self._common(reason, rngs, "whole")
         if not background:
             return store.write(root, step, model=model, optimizer=optimizer, **common)
@@ -427,7 +430,8 @@ class Checkpointer:
             "meta": {
                 "loop": p.loop.state_dict(),
                 "format": fmt,
-                **({"optimizer_keys": "flat"} if fmt == "sharded" else {}),
+                # Both keyed by parameter name: flattened in DCP's shards, nested in whole files.
+                "optimizer_keys": "flat" if fmt == "sharded" else "names",
                 "strategy": p.model.layout,
                 "reason": str(reason),
                 "world_size": self.world.size,

@@ -18,7 +18,7 @@ from trainer import hf
 from trainer.checkpoint import store
 from trainer.errors import UsageError, io_error
 from trainer.state import fit_problem, non_finite
-from trainer.strategy import Strategy
+from trainer.strategy import unwrap
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -125,17 +125,15 @@ def non_finite_text(bad: list[str], what: str = "the weights hold") -> str:
     )
 
 
-def load_weights_into(
-    model: nn.Module, path: str, strategy: Strategy | None = None, model_cfg=None
-) -> None:
-    """Load weights (any prefix, any device of origin, any saving strategy) into `model`,
+def load_weights_into(model: nn.Module, path: str, model_cfg=None) -> None:
+    """Load weights (any prefix, any device of origin, any saving layout) into `model`,
     strictly: every name and every shape must match, and every value must be finite
     (read_weights refuses NaN/inf).
 
     `model_cfg` (the ModelConfig that built `model`) lets a mismatch name the config key that
     differs from the config saved with the weights."""
     state = read_weights(path)
-    problem = fit_problem(model, state)
+    problem = fit_problem(unwrap(model), state)
     if problem and any(".lora_A." in k for k in state):
         raise UsageError(
             f"{path}: holds LoRA adapters (optim.lora_targets), not a whole model: merge them "
@@ -145,7 +143,7 @@ def load_weights_into(
         raise UsageError(
             f"{path}: weights do not fit model ({problem}): {config_hint(path, model_cfg)}"
         )
-    (strategy or Strategy()).load_state_dict(model, state)
+    unwrap(model).load_state_dict(state)
 
 
 _LIKELY_KEY = {

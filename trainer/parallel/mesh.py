@@ -11,9 +11,10 @@ ranks add each replica's once (the others add exact zeros).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.parallel.dims import ParallelDims
 from trainer.parallel.layout import DIMS, Layout
 from trainer.ranks import World
 
@@ -32,15 +33,20 @@ def rank_of(layout: Layout, dp: int, pp: int, tp: int) -> int:
 
 @dataclass(frozen=True)
 class Mesh:
-    """This rank's place on the mesh."""
+    """The run's layout (ParallelDims) and this rank's place on it: built once per run."""
 
-    layout: Layout
+    dims: ParallelDims = field(default_factory=ParallelDims)
     rank: int = 0
     dp_rank: int = 0
     pp_rank: int = 0
     tp_rank: int = 0
     device_mesh: Any = None
     """torch's DeviceMesh over ("dp", "pp", "tp"), built only for a split model."""
+
+    @property
+    def layout(self) -> Layout:
+        """The mesh's sizes (dp, pp, tp)."""
+        return self.dims.layout
 
     @property
     def data_rank(self) -> int:
@@ -79,9 +85,10 @@ class Mesh:
         return f"{self.layout} (rank {self.rank}: {here})"
 
 
-def build(world: World, layout: Layout) -> Mesh:
+def build(world: World, dims: ParallelDims) -> Mesh:
     """The mesh of this run; a DeviceMesh (a collective: every rank calls this) for a split
     model only."""
+    layout = dims.layout
     dp, pp, tp = coordinates(world.rank, layout)
     device_mesh = None
     if layout.model_parallel:
@@ -91,7 +98,7 @@ def build(world: World, layout: Layout) -> Mesh:
         device_mesh = init_device_mesh(
             torch.device(world.device).type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=DIMS
         )
-    return Mesh(layout, world.rank, dp, pp, tp, device_mesh)
+    return Mesh(dims, world.rank, dp, pp, tp, device_mesh)
 
 
 def sharded_groups(t) -> tuple:

@@ -113,8 +113,8 @@ def facts(run, environ) -> dict[str, str]:
     w, cfg = run.world, run.cfg
     out = {
         "world_size": w.size,
-        "mesh": f"dp={w.size}",
-        "strategy": run.strategy.name,
+        "mesh": str(run.mesh.layout),
+        "strategy": run.mesh.dims.name,
         "device": w.device,
         "devices": f"{w.size} x {perf.device_name(w.device) or w.device}",
         "backend": w.backend,

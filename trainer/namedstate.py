@@ -1,0 +1,247 @@
+"""Saved state keyed by parameter name, for every layout, through torch.distributed.checkpoint's
+state-dict API (get_/set_state_dict and their model and optimizer halves): the one place that
+turns a laid-out model (trainer/parallel/parts.py) and its optimizer into saved state and back.
+
+Both checkpoint formats key everything by the whole model's parameter names: DCP shards hold the
+flattened form ("state.blocks.0.fc.weight.exp_avg", "param_groups.blocks.0.fc.weight.lr"), whole
+files the nested one ({"state": {name: ...}, "param_groups": [{"params": [names], ...}]}). DCP
+reshards, gathers and cuts what any layout holds (FSDP's shards, tp's DTensors, a pipeline
+stage's part), so any layout's state loads into any other with no remapping of ours: a stage
+takes the names it holds, FSDP and tp cut whole tensors into their shards. What is left to us is
+a name, not an index: a weight tied across pipeline stages is saved under its whole-model name
+(`ModelParts.aliases`), and checkpoints written before names (index-keyed whole optimizer state,
+main at 3a8a994 and older) are read through `by_name`.
+
+DCP's state-dict module imports in ~1 s on its own (0.06 s once torch._dynamo, which every
+optimizer step imports, is in): so every import of it here is inside a function.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from trainer import ranks
+from trainer.errors import first_line
+from trainer.parallel.mesh import Mesh
+from trainer.parallel.parts import ModelParts
+from trainer.strategy import local_part, plain_copy
+
+
+class StateMismatch(ValueError):
+    """A saved state that does not fit this run; `part` names which (model, optimizer,
+    scheduler, scaler) and `detail` says how."""
+
+    def __init__(self, part: str, detail: str):
+        super().__init__(f"{part}: {detail}")
+        self.part, self.detail = part, detail
+
+
+@contextlib.contextmanager
+def loading(part: str):
+    """A loader's complaint about the saved contents -> StateMismatch naming the part."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as e:
+        raise StateMismatch(part, first_line(e)) from None
+
+
+def fit_problem(model: nn.Module, state: dict) -> str | None:
+    """How a state dict fails to fit `model` (names first, then shapes), or None if it fits."""
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    if missing or unexpected:
+        return f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+    for name, tensor in expected.items():
+        if tuple(tensor.shape) != tuple(state[name].shape):
+            return f"{name} has shape {tuple(state[name].shape)} there, {tuple(tensor.shape)} here"
+    return None
+
+
+def _options(**kwargs):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kwargs)
+
+
+# --- DCP's form: this rank's shards, flattened ----------------------------------------------------
+
+
+def sharded(parts: ModelParts, optimizer, flat: bool = True) -> dict:
+    """{"model", "optim"}: this rank's part of the weights and optimizer state, keyed by the
+    whole model's names. `flat`: one key per parameter and setting, so that any layout (another
+    pp split, a whole model) finds each parameter's state by its name; False: the nested form
+    sharded checkpoints had before meshes (meta.json without "optimizer_keys")."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(
+        parts.view, optimizer, options=_options(flatten_optimizer_state_dict=flat)
+    )
+    return {"model": model, "optim": _renamed(optim, parts.aliases)}
+
+
+def load_sharded(parts: ModelParts, optimizer, state: dict, flat: bool = True) -> None:
+    """Load what `sharded(flat)` gave (filled in by DCP), whatever layout and world size saved
+    it."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    # DCP makes the optimizer's state (a step on zero gradients at lr 0) before filling it in,
+    # and skips that where a gradient is set: then it would load nothing. A resume comes before
+    # any step, so a gradient here is stale anyway.
+    optimizer.zero_grad(set_to_none=True)
+    set_state_dict(
+        parts.view,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=_renamed(state["optim"], parts.aliases, back=True),
+        options=_options(flatten_optimizer_state_dict=flat),
+    )
+
+
+def _renamed(flat: dict, aliases: dict[str, str], back: bool = False) -> dict:
+    """A flattened optimizer state with each tied copy's keys under its whole-model name
+    (`back`: from it to this rank's)."""
+    if not aliases:
+        return flat
+    out = {}
+    for key, value in flat.items():
+        for alias, name in aliases.items():
+            src, dst = (name, alias) if back else (alias, name)
+            for kind in ("state.", "param_groups."):
+                if key.startswith(kind + src + "."):
+                    key = kind + dst + key[len(kind + src) :]
+        out[key] = value
+    return out
+
+
+# --- whole state: a model that is not sharded ---------------------------------------------------
+
+
+def whole(parts: ModelParts, optimizer) -> dict:
+    """{"model", "optimizer"} of a model every rank holds whole (no DTensors, no split), keyed
+    by name: the live tensors (copy them before training goes on). No collective."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optim = get_state_dict(parts.view, optimizer)
+    return {"model": model, "optimizer": optim}
+
+
+def load_whole(parts: ModelParts, optimizer, state: dict, numbering=None) -> None:
+    """Load a whole checkpoint's {"model", "optimizer"} (every rank passes all of it) into any
+    layout: this rank's names are taken, and DCP cuts them into its shards. `numbering`: the
+    whole model's trainable names group after group, for an index-keyed optimizer state (written
+    before names); None: the state is keyed by name. StateMismatch names what does not fit."""
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    model = mine(state["model"], parts.view)
+    if problem := fit_problem(parts.view, model):
+        raise StateMismatch("model", problem)
+    load_weights(parts.view, model)
+    optimizer.zero_grad(set_to_none=True)  # as in load_sharded: DCP then makes the state
+    with loading("optimizer"):
+        optim = state["optimizer"] if numbering is None else by_name(state["optimizer"], numbering)
+        optim = _aliased(optim, parts.aliases)
+        if problem := group_problem(parts.view, optimizer, optim):
+            raise StateMismatch("optimizer", problem)
+        set_optimizer_state_dict(
+            parts.view, optimizer, optim, options=_options(full_state_dict=True)
+        )
+
+
+def by_name(state: dict, names) -> dict:
+    """torch's own optimizer state_dict (parameters numbered group after group, as the
+    optimizer that wrote it numbered the whole model's trainable parameters: `names`) keyed by
+    name instead."""
+    names = list(names)
+    return {
+        "state": {names[i]: v for i, v in state["state"].items()},
+        "param_groups": [
+            {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
+        ],
+    }
+
+
+def group_problem(view: nn.Module, optimizer, state: dict) -> str | None:
+    """How a whole optimizer state keyed by name fails to fit `optimizer` (over `view`'s
+    parameters), or None: each of its parameters must be in one saved group, and parameters
+    that share a group here share one there (DCP takes a stage's part of each group by name, and
+    would take a mismatch silently)."""
+    name_of = {id(p): n for n, p in view.named_parameters()}  # a tied weight: its first name
+    saved: dict = {}
+    for i, g in enumerate(state["param_groups"]):
+        for n in g["params"]:
+            saved.setdefault(n, i)
+    taken: dict = {}
+    for j, g in enumerate(optimizer.param_groups):
+        names = [name_of.get(id(p)) for p in g["params"]]
+        if missing := [n for n in names if n not in saved]:
+            return f"parameter {missing[0]} is in none of its param_groups"
+        found = {saved[n] for n in names}
+        if len(found) > 1 or (found and taken.setdefault(found.pop(), j) != j):
+            return f"its param_groups do not match this optimizer's (group {j} here)"
+    return None
+
+
+def _aliased(state: dict, aliases: dict[str, str]) -> dict:
+    """A whole optimizer state with each tied copy on this rank also under its local name."""
+    if not aliases:
+        return state
+    own = dict(state["state"])
+    groups = [{**g, "params": list(g["params"])} for g in state["param_groups"]]
+    for alias, name in aliases.items():
+        if name in own:
+            own[alias] = own[name]
+        for g in groups:
+            if name in g["params"]:
+                g["params"].append(alias)
+    return {"state": own, "param_groups": groups}
+
+
+def mine(state: dict, view: nn.Module) -> dict:
+    """The entries of a whole model's state dict that `view` holds (a stage: its part)."""
+    own = view.state_dict().keys()
+    return {k: v for k, v in state.items() if k in own}
+
+
+def load_weights(view: nn.Module, state: dict, strict: bool = True) -> None:
+    """Whole weights (every rank passes the same) into `view` of any layout: plain tensors
+    copied, DTensors cut into this rank's shards. `strict=False`: what `state` lacks keeps its
+    value (starting weights that cover part of the model)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    set_model_state_dict(view, state, options=_options(full_state_dict=True, strict=strict))
+
+
+def whole_weights(parts: ModelParts, mesh: Mesh, main: bool) -> dict | None:
+    """The whole model's weights as plain CPU tensors on the main rank (None elsewhere): a
+    collective where the model is sharded or split, every rank calls it."""
+    view, split = parts.view, parts.pipe is not None
+    if any(hasattr(p, "to_local") for p in view.parameters()):
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # cpu_offload keeps the whole weights on global rank 0 only; a model split over a mesh
+        # needs them on each stage's dp rank 0, so there every rank gathers its stage's.
+        options = _options(full_state_dict=True, cpu_offload=mesh.device_mesh is None)
+        state = get_model_state_dict(view, options=options)  # all-gathers
+    elif split or main:
+        state = view.state_dict()
+    else:
+        return None
+    if not split:
+        return plain_copy(state) if main else None
+    keeper = mesh.dp_rank == 0 and mesh.tp_rank == 0  # one copy of each stage
+    found = ranks.gather_objects(plain_copy(state) if keeper else None)
+    if not main:
+        return None
+    out: dict = {}
+    for part in found:
+        out.update(part or {})
+    return out
+
+
+def local_weights(view: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of the live weights (its shards where sharded), on the CPU."""
+    return {k: local_part(v).detach().cpu() for k, v in view.state_dict().items()}

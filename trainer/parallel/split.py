@@ -1,0 +1,136 @@
+"""Pipeline split planning: a model's layers cut into equal runs of stages, and each stage as the
+model object holding only its parts.
+
+**Split points.** A model names its layer container (`pipeline_layers()`, the attribute of a
+ModuleList or ModuleDict; the GPT's `blocks`). The layers are cut into equal runs, one per stage;
+the submodules registered before the container go to the first stage, those after it to the last.
+A stage is the model object with the others' parts set to None and its layers in a ModuleDict
+keyed by their original indices, so parameter names, state dicts and checkpoints are the whole
+model's. The model's forward skips what it does not hold (the GPT's does). A weight that one
+module object shares between stages (the GPT's embedding and head) is `Tied`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+from torch import nn
+
+from trainer.errors import ConfigError, UsageError
+
+
+@dataclass(frozen=True)
+class Split:
+    """Which stage holds what: the layer container, each stage's layer keys, the modules
+    before and after the layers."""
+
+    container: str
+    stages: list[list[str]]
+    before: list[str]
+    after: list[str]
+
+    @property
+    def n(self) -> int:
+        return len(self.stages)
+
+    def stage_of(self, name: str) -> int:
+        """The stage holding the parameter or buffer `name` (a whole-model name)."""
+        head, _, rest = name.partition(".")
+        if head == self.container:
+            key = rest.partition(".")[0]
+            return next(i for i, keys in enumerate(self.stages) if key in keys)
+        return 0 if head in self.before else self.n - 1
+
+
+def plan(model: nn.Module, n_stages: int) -> Split:
+    """The split of `model` into `n_stages` stages; one line for a model that cannot be split."""
+    name = _container_name(model)
+    container = getattr(model, name)
+    keys = (
+        list(container.keys())
+        if isinstance(container, nn.ModuleDict)
+        else [str(i) for i in range(len(container))]
+    )
+    if len(keys) % n_stages:
+        raise ConfigError(
+            f"dist.mesh: {n_stages} pipeline stages cannot split the model's {len(keys)} layers "
+            f"({type(model).__name__}.{name}) evenly: use a number of stages that divides "
+            f"{len(keys)} (pp x stages per rank), or change the layer count"
+        )
+    if direct := [n for n, _ in model.named_parameters(recurse=False)]:
+        raise UsageError(
+            f"{type(model).__name__} holds parameters on its root ({', '.join(direct[:3])}), "
+            "which no pipeline stage owns: move them into a submodule registered before or "
+            f"after {name}"
+        )
+    per = len(keys) // n_stages
+    children = list(dict(model.named_children()))
+    at = children.index(name)
+    return Split(
+        container=name,
+        stages=[keys[i * per : (i + 1) * per] for i in range(n_stages)],
+        before=children[:at],
+        after=children[at + 1 :],
+    )
+
+
+def _container_name(model: nn.Module) -> str:
+    own = getattr(model, "pipeline_layers", None)
+    name = own() if callable(own) else None
+    if name is None or not isinstance(getattr(model, name, None), (nn.ModuleList, nn.ModuleDict)):
+        raise UsageError(
+            f"dist.mesh with pp needs the model's split points, but {type(model).__name__} "
+            "names none: give it a pipeline_layers() method returning the name of its "
+            "ModuleList of layers, whose forward skips submodules set to None "
+            "(docs/extending.md, 'Pipeline stages'), or use model.name=gpt"
+        )
+    return name
+
+
+def piece(model: nn.Module, split: Split, stages: list[int]) -> nn.Module:
+    """The model object holding only `stages`' parts (the same submodules, not copies)."""
+    out = copy.copy(model)
+    # Its own registries (modules, parameters, hooks), so wrapping one stage (FSDP's hooks, its
+    # DTensor parameters) leaves the model and the other stages as they were.
+    out.__dict__ = {k: type(v)(v) if isinstance(v, dict) else v for k, v in model.__dict__.items()}
+    for name in split.before:
+        out._modules[name] = model._modules[name] if 0 in stages else None
+    for name in split.after:
+        out._modules[name] = model._modules[name] if split.n - 1 in stages else None
+    container = getattr(model, split.container)
+    layers = (
+        dict(container.items())
+        if isinstance(container, nn.ModuleDict)
+        else {str(i): m for i, m in enumerate(container)}
+    )
+    kept = [k for s in stages for k in split.stages[s]]
+    out._modules[split.container] = nn.ModuleDict({k: layers[k] for k in kept})
+    return out
+
+
+@dataclass(frozen=True)
+class Tied:
+    """A weight used in two stages (the GPT's embedding and head): its name in each stage."""
+
+    names: dict[int, str]
+    """stage -> the parameter's name there"""
+    canonical: str
+    """The name the whole model's optimizer state uses (its first)."""
+    shape: tuple
+    """The weight's shape (every stage knows it: the whole model was built everywhere)."""
+
+
+def tied_weights(model: nn.Module, split: Split) -> list[Tied]:
+    """The parameters that one module object shares between stages."""
+    by_id: dict[int, list[str]] = {}
+    shapes = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+        shapes[id(p)] = tuple(p.shape)
+    out = []
+    for key, names in by_id.items():
+        stages = {split.stage_of(n): n for n in reversed(names)}
+        if len(stages) > 1:
+            out.append(Tied(names=stages, canonical=names[0], shape=shapes[key]))
+    return out
