@@ -39,8 +39,8 @@ from tests.helpers import (
 from trainer import config
 from trainer.errors import ConfigError
 from trainer.tracking import check
-from trainer.tracking.mlflow_rest import metrics_of, redact
-from trainer.tracking.sender import Sender, Sink, already_sent, sent_after
+from trainer.tracking.mlflow_rest import redact
+from trainer.tracking.sender import Sender, Sink, already_sent, metrics_of, sent_after
 from trainer.tracking.tracker import params
 
 SERVER_VENV = ROOT / ".venv" / "mlflow-server"
@@ -125,6 +125,31 @@ def test_params_are_the_flattened_config_and_metrics_the_records_numbers():
     record |= {"rank_forward_ms": [1.0, 2.0], "nan": float("nan"), "flag": True}
     assert metrics_of(record) == {"loss": 0.5, "lr": 1e-3}
     assert redact("https://me:pw@host:1/x") == "https://host:1/x"
+
+
+@pytest.mark.parametrize(
+    "mesh, world, want",
+    [
+        ("pp=2", 2, ("pp=2", "pp")),
+        ("dp=2,pp=2", 4, ("dp=2,pp=2", "ddp+pp")),
+        ("", 2, ("dp=2", "ddp")),
+    ],
+)
+def test_the_mesh_and_strategy_tags_are_the_runs_layout(mesh, world, want):
+    """The tags come from the run's layout (its ParallelDims), not from the world size: a pp=2
+    run on 2 ranks is tagged pp=2, not dp=2."""
+    from types import SimpleNamespace
+
+    from trainer.parallel.dims import describe
+    from trainer.parallel.mesh import Mesh
+    from trainer.ranks import World
+    from trainer.tracking.tracker import facts
+
+    cfg = config.load("stdlib-gpt", [f"dist.mesh={mesh}"] if mesh else [])
+    w = World(rank=0, size=world, local_size=world, master_addr="x", master_port=1)
+    run = SimpleNamespace(world=w, cfg=cfg, mesh=Mesh(describe(cfg, world)), run_dir="/r")
+    tags = facts(run, {})
+    assert (tags["mesh"], tags["strategy"], tags["world_size"]) == (*want, str(world))
 
 
 def test_a_resume_skips_exactly_what_the_earlier_attempt_sent():

@@ -10,6 +10,8 @@ import sys
 import time
 from importlib import metadata
 
+from trainer import jsonfile
+
 _PACKAGES = ("trainer", "torch", "torchvision", "numpy", "omegaconf", "scikit-learn", "safetensors")
 _DISTRIBUTION = {"trainer": "repro-trainer"}
 """Our distribution's name (PyPI's `trainer` is another project); the package is `trainer`."""
@@ -32,12 +34,8 @@ def versions() -> dict[str, str]:
 
 
 def write_json(path: str, obj) -> None:
-    """Write JSON atomically: a reader never sees half a file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)
+    """Write JSON atomically (jsonfile.py): a reader never sees half a file."""
+    jsonfile.write_json(path, obj, indent=2, sort_keys=True)
 
 
 def memory_line(memory: list[dict]) -> str:
@@ -106,10 +104,7 @@ def _truncate_after(path: str, step: int) -> None:
                 kept.append(line)
         except ValueError:
             continue  # a line cut short by a kill
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    jsonfile.write_text(path, "".join(kept))
 
 
 def _tensorboard(folder: str, resume_step: int | None, note):

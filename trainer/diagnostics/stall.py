@@ -28,6 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from trainer import jsonfile
 from trainer.diagnostics.collectives import Collectives
 
 FOLDER = "diagnostics"
@@ -308,9 +309,7 @@ class Watchdog:
         try:
             os.makedirs(folder, exist_ok=True)
             path = os.path.join(folder, f"rank-{w.rank}.txt")
-            with open(path + ".tmp", "w", encoding="utf-8") as f:
-                f.write(json.dumps(header) + "\n" + "".join(stacks))
-            os.replace(path + ".tmp", path)
+            jsonfile.write_text(path, json.dumps(header) + "\n" + "".join(stacks))
         except OSError:
             return None
         return folder

@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import base64
 import json
-import math
-import os
 import ssl
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 
-from trainer.tracking.sender import Sink
+from trainer.tracking.sender import Sink, metrics_of, read_state, write_state
 
 TIMEOUT_S = 10.0
 """One HTTP request's bound: a slow server slows the sender thread, never training."""
-NOT_METRICS = ("kind", "step", "epoch", "time")
 
 
 class ServerError(Exception):
@@ -38,19 +35,6 @@ class ServerError(Exception):
         self.permanent = status == 0 or (400 <= status < 500 and status not in (401, 403, 408, 429))
         """The request itself is at fault: sending it again cannot help (a bad token may be
         replaced, a rate limit passes)."""
-
-
-def metrics_of(record: dict) -> dict[str, float]:
-    """A record's metrics as metrics.jsonl names them (loss, lr, eval.accuracy, ...): finite
-    numbers only (no flags, lists or NaN)."""
-    return {
-        k: float(v)
-        for k, v in record.items()
-        if k not in NOT_METRICS
-        and isinstance(v, (int, float))
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-    }
 
 
 def redact(uri: str) -> str:
@@ -239,21 +223,3 @@ class MLflowSink(Sink):
 
     def _save_state(self) -> None:
         write_state(self.state_path, self.state)
-
-
-def read_state(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            state = json.load(f)
-        return state if isinstance(state, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
-def write_state(path: str, state: dict) -> None:
-    """Atomically (a reader, or a kill, never leaves half a file)."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-    os.replace(tmp, path)

@@ -10,10 +10,14 @@ sent by the end is said in one warning line (it stays in metrics.jsonl).
 
 from __future__ import annotations
 
+import math
+import os
 import queue
 import threading
 import time
 from collections.abc import Callable
+
+from trainer import jsonfile
 
 BATCH = 200
 """Records handed to a sink in one call (a log-batch request)."""
@@ -183,6 +187,34 @@ def sent_after(sent: list | None, records: list[dict]) -> list:
     if sent and sent[0] == step:  # the step's earlier records went in an earlier batch
         kinds = sorted({*sent[1], *kinds})
     return [step, sorted(set(kinds))]
+
+
+NOT_METRICS = ("kind", "step", "epoch", "time")
+
+
+def metrics_of(record: dict) -> dict[str, float]:
+    """A record's metrics as metrics.jsonl names them (loss, lr, eval.accuracy, ...): finite
+    numbers only (no flags, lists or NaN)."""
+    return {
+        k: float(v)
+        for k, v in record.items()
+        if k not in NOT_METRICS
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+    }
+
+
+def read_state(path: str) -> dict:
+    """A sink's state file (its run id, what it has sent): {} where there is none yet."""
+    state = jsonfile.read_json(path)
+    return state if isinstance(state, dict) else {}
+
+
+def write_state(path: str, state: dict) -> None:
+    """A sink's state file, atomically (a reader, or a kill, never leaves half a file)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    jsonfile.write_json(path, state)
 
 
 def _first_line(e: BaseException) -> str:

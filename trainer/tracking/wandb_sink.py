@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import secrets
 
-from trainer.tracking.mlflow_rest import metrics_of, read_state, write_state
-from trainer.tracking.sender import Sink, sent_after
+from trainer.tracking.sender import Sink, metrics_of, read_state, sent_after, write_state
 
 
 class WandbSink(Sink):
