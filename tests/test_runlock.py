@@ -106,3 +106,73 @@ def test_the_holder_beats_and_a_failed_start_leaves_no_folder(tmp_path, monkeypa
     assert not (tmp_path / "a").exists()  # the folders it made, empty again, are gone
     (tmp_path / "file").write_text("x")
     assert RunLock(tmp_path / "file" / "run", {}).acquire() is None  # cannot be written: no lock
+
+
+def _slow_storage(seed: int) -> None:
+    """This process's renames and links take 0-80 ms, as on a busy NFS server."""
+    import random
+
+    rng = random.Random(seed)
+    for name in ("replace", "link"):
+        fast = getattr(os, name)
+
+        def slow(*args, _fast=fast, **kwargs):
+            time.sleep(rng.uniform(0, 0.08))
+            return _fast(*args, **kwargs)
+
+        setattr(os, name, slow)
+
+
+def _contender(run_dir, start, done, results, seed) -> None:
+    """One job's rank 0 starting at the same moment as the others on slow storage: it takes the
+    lock or is refused; a winner holds it until every contender has tried."""
+    _slow_storage(seed)
+    start.wait()
+    try:
+        lock = RunLock(run_dir, {}).acquire()
+        results.put("won" if lock is not None else "no folder")
+    except ConfigError:
+        lock = None
+        results.put("refused")
+    done.wait()
+    if lock is not None:
+        lock.release()
+
+
+@pytest.mark.parametrize("left_behind", [False, True], ids=["empty folder", "a dead job's lock"])
+def test_of_jobs_racing_for_a_folder_exactly_one_wins_every_time(tmp_path, left_behind):
+    """Four jobs start at once on one folder (empty, or holding a dead job's lock) on storage
+    whose renames and links are slow, 20 times: one wins each time, the others are refused in
+    one line (the lock is an atomic create: a hard link, and a takeover goes through a
+    tombstone only one newcomer can make). The write, rename, wait 50 ms and look again that
+    this replaced let two jobs win here."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    for round_ in range(20):
+        run_dir = tmp_path / f"run{round_}"
+        if left_behind:
+            _leave(run_dir, _holder(pid=dead.pid, process_start="1"))
+        start, done, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
+        jobs = [
+            ctx.Process(target=_contender, args=(run_dir, start, done, results, 4 * round_ + i))
+            for i in range(4)
+        ]
+        for j in jobs:
+            j.start()
+        outcomes = sorted(results.get(timeout=30) for _ in jobs)
+        for j in jobs:
+            j.join(timeout=30)
+        assert outcomes == ["refused", "refused", "refused", "won"], (round_, outcomes)
+        left = sorted(os.listdir(run_dir)) if run_dir.exists() else []
+        assert left == [], (round_, left)  # no lock, tombstone or temporary file left
+
+
+def test_a_lock_that_is_not_a_file_is_one_line_not_a_hang(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.mkfifo(run_dir / LOCK)
+    with pytest.raises(ConfigError, match="is not a regular file.*remove it"):
+        RunLock(run_dir, {}).acquire()

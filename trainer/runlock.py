@@ -1,10 +1,19 @@
 """One job per run folder.
 
 Rank 0 holds RUN_DIR/.job.lock while a job runs: a small JSON record of who holds it (host, pid,
-since when, the job's torchrun run id) with a heartbeat it rewrites every BEAT_S, by an atomic
-rename (so it works on the shared volumes runs live on: a PVC, NFS). A second job that would
-write into the folder is refused in one line naming the holder, exit 2. A lock a job left behind
-never blocks the next one; the holder is gone when:
+since when, the job's torchrun run id) with a heartbeat it rewrites every BEAT_S by an atomic
+rename. A second job that would write into the folder is refused in one line naming the holder,
+exit 2.
+
+Taking the lock is an atomic create that works on the shared volumes runs live on (a PVC, NFS):
+the record is written to a file of its own and hard-linked to the lock's name, which fails when
+the name exists (O_EXCL's guarantee, kept on NFS, where O_EXCL itself was not always). Of two
+jobs starting at once exactly one gets the lock. A lock whose holder is gone is taken over the
+same way: the newcomer links the dead lock to a tombstone named after that very file (its inode
+and time), which only one newcomer can create, and only that one replaces the lock (by rename).
+A tombstone is removed with the lock it stood for.
+
+A lock a job left behind never blocks the next one; the holder is gone when:
 
 - it is the same job: a torchrun restart (--max-restarts) has the same TORCHELASTIC_RUN_ID;
 - it ran on this machine (same boot, same pid namespace) and its pid is dead, or is another
@@ -16,15 +25,18 @@ never blocks the next one; the holder is gone when:
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
+from trainer import jsonfile
 from trainer.errors import ConfigError
 
 LOCK = ".job.lock"
@@ -98,20 +110,49 @@ class Holder:
         )
 
 
-def _read(path: str) -> Holder | None:
-    """The holder recorded at `path`; None if there is none (or the file is not a record)."""
+def _read(path: str) -> tuple[Holder | None, tuple[int, int] | None]:
+    """(the holder recorded at `path` or None if the file is not a record, the file's identity:
+    inode and modification time); (None, None) when there is no lock. A lock that is not a
+    regular file (a FIFO would block the read) is one line naming the fix."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return None, None
+    if not stat.S_ISREG(info.st_mode):
+        raise ConfigError(
+            f"{path} is not a regular file (the run folder's job lock): remove it, or use "
+            "another run_dir"
+        )
+    ident = (info.st_ino, info.st_mtime_ns)
     try:
         with open(path, encoding="utf-8") as f:
-            return Holder(**json.load(f))
+            return Holder(**json.load(f)), ident
+    except FileNotFoundError:
+        return None, None
     except (OSError, ValueError, TypeError):
-        return None
+        return None, ident
 
 
 def _write(path: str, holder: Holder) -> None:
-    tmp = f"{path}.{holder.token}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(asdict(holder), f)
-    os.replace(tmp, path)
+    """The holder's record over the lock, atomically (its heartbeat)."""
+    jsonfile.write_json(path, asdict(holder), tag=holder.token)
+
+
+def _link(src: str, dst: str) -> bool:
+    """Hard-link `src` as `dst`; False when `dst` exists. Over NFS a link whose reply was lost
+    raises though it was made: the link count says whether it was."""
+    try:
+        os.link(src, dst)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        if e.errno == errno.EEXIST:
+            return False
+        with contextlib.suppress(OSError):
+            if os.stat(src).st_nlink == 2:
+                return True
+        raise
 
 
 class RunLock:
@@ -125,6 +166,8 @@ class RunLock:
         self._thread: threading.Thread | None = None
         self._created: list[str] = []
         """The folders acquire made (deepest first): removed again if the job leaves them empty."""
+        self._tombs: list[str] = []
+        """The tombstone of the dead lock this job took over: removed with this job's lock."""
 
     def acquire(self) -> RunLock | None:
         """Hold the folder, or raise ConfigError naming the live job that holds it. None (and no
@@ -139,27 +182,65 @@ class RunLock:
             return None
 
     def _take(self) -> RunLock:
-        watching: tuple[float, float] | None = None  # (a foreign holder's beat, seen since)
+        beat: tuple[float, float] | None = None  # (a foreign holder's beat, seen since)
+        taking: tuple[tuple, float] | None = None  # (a dead lock another newcomer takes, since)
         while True:
-            holder = _read(self.path)
+            if self._create():
+                return self._beating()
+            holder, ident = _read(self.path)
+            if ident is None:  # gone between the create and the read: try again
+                continue
+            now = time.monotonic()
             if holder is None or self._gone(holder):
-                _write(self.path, self.me)
-                time.sleep(0.05)  # two newcomers at once: the last rename wins, the other sees it
-                current = _read(self.path)
-                if current is not None and current.token == self.me.token:
+                if self._replace(ident):
                     return self._beating()
+                # Another newcomer is taking it over: it wins, or died doing so (its tombstone
+                # stands STALE_S while the dead lock stays as it was: removed, try again).
+                if taking is None or taking[0] != ident:
+                    taking = (ident, now)
+                elif now - taking[1] >= STALE_S:
+                    with contextlib.suppress(OSError):
+                        os.remove(self._tomb(ident))
+                time.sleep(0.01)
                 continue
             if holder.machine == self.me.machine:  # alive here
                 raise ConfigError(holder.line(self.run_dir))
-            now = time.monotonic()
-            if watching is None or watching[0] != holder.beat:
-                if watching is not None:  # its heartbeat moved: alive
+            if beat is None or beat[0] != holder.beat:
+                if beat is not None:  # its heartbeat moved: alive
                     raise ConfigError(holder.line(self.run_dir))
-                watching = (holder.beat, now)
-            elif now - watching[1] >= STALE_S:  # silent for STALE_S: gone
-                _write(self.path, self.me)
-                return self._beating()
+                beat = (holder.beat, now)
+            elif now - beat[1] >= STALE_S:  # silent for STALE_S: gone
+                if self._replace(ident):
+                    return self._beating()
+                continue
             time.sleep(min(1.0, BEAT_S / 5))
+
+    def _create(self) -> bool:
+        """The lock made with this job's record, if no lock exists (atomic: a hard link)."""
+        mine = f"{self.path}.{self.me.token}.new"
+        jsonfile.write_json(mine, asdict(self.me), tag=self.me.token)
+        try:
+            return _link(mine, self.path)
+        finally:
+            with contextlib.suppress(OSError):
+                os.remove(mine)
+
+    def _tomb(self, ident: tuple[int, int]) -> str:
+        return f"{self.path}.gone-{ident[0]}-{ident[1]}"
+
+    def _replace(self, ident: tuple[int, int]) -> bool:
+        """Take over the lock file `ident` (its holder is gone): only the newcomer that links it
+        to its tombstone does, and only if the lock is still that file."""
+        tomb = self._tomb(ident)
+        if not _link(self.path, tomb):
+            return False
+        info = os.stat(tomb)
+        if (info.st_ino, info.st_mtime_ns) != ident:  # the lock changed meanwhile: not ours
+            os.remove(tomb)
+            return False
+        _write(self.path, self.me)
+        self._tombs.append(tomb)
+        return True
 
     def _gone(self, holder: Holder) -> bool:
         if holder.same_job(self.me):
@@ -175,7 +256,9 @@ class RunLock:
 
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_S):
-            holder = _read(self.path)
+            holder = None
+            with contextlib.suppress(ConfigError):
+                holder = _read(self.path)[0]
             if holder is not None and holder.token != self.me.token:
                 return  # taken over (this job was given up for dead): nothing more to say
             self.me.beat = time.time()
@@ -187,10 +270,14 @@ class RunLock:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
-        holder = _read(self.path)
-        if holder is not None and holder.token == self.me.token:
+        with contextlib.suppress(ConfigError):
+            holder = _read(self.path)[0]
+            if holder is not None and holder.token == self.me.token:
+                with contextlib.suppress(OSError):
+                    os.remove(self.path)
+        for tomb in self._tombs:
             with contextlib.suppress(OSError):
-                os.remove(self.path)
+                os.remove(tomb)
         self._remove_created()
 
     def _remove_created(self) -> None:
