@@ -113,7 +113,8 @@ def train(
     args = ["train", "--config", config, f"run_dir=runs/{specs.macros.app_id}", *overrides]
     _check_config(config, args[3:], world_size=nnodes * nproc)
     resources = _node_resources(h, cpu, gpu, memMB, gpus)
-    role = _role(nnodes, nproc, max_restarts, max_retries, rdzv_port, env, mounts, runs_volume)
+    limits = {"max_restarts": max_restarts, "max_retries": max_retries, "rdzv_port": rdzv_port}
+    role = _role(nnodes, nproc, **limits, env=env, mounts=mounts, runs_volume=runs_volume)
     return _torchx_dist.ddp(*args, m="trainer", image=image, name=name, **resources, **role)
 
 
@@ -153,6 +154,7 @@ def _node_resources(h: Optional[str], cpu: int, gpu: int, memMB: int, gpus: int)
 def _role(
     nnodes: int,
     nproc: int,
+    *,
     max_restarts: int,
     max_retries: int,
     rdzv_port: int,

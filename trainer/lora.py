@@ -73,7 +73,7 @@ def inject(cfg, model: nn.Module, ckpt=None) -> nn.Module:
         p.requires_grad_("lora_" in name or params.matches(_base_name(name), also))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}
     model._lora_hooks = [  # merged() removes them
-        model._register_state_dict_hook(_only(trained)),
+        model.register_state_dict_post_hook(_only(trained)),
         model.register_load_state_dict_post_hook(_forgive(trained)),
     ]
     return model
@@ -84,15 +84,19 @@ def _base_name(name: str) -> str:
 
 
 def _only(trained: set[str]):
-    """A state_dict hook dropping the frozen parameters (a tied copy too); buffers stay."""
+    """A state_dict post-hook dropping the frozen parameters (a tied copy too); buffers stay.
 
-    def hook(module, state, prefix, local_metadata):
+    Why not PEFT's get_peft_model_state_dict: it keeps the adapters alone (and
+    modules_to_save, which renames what it wraps), while a run also trains optim.lora_also_train
+    (a new head) under its own name; and the narrowing has to be the module's own state_dict,
+    which the checkpoints read through DCP's state-dict API for every layout."""
+
+    def hook(module, state, prefix, local_metadata) -> None:
         names = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         for key in [k for k in state if k.startswith(prefix)]:
             name = key.removeprefix(prefix)
             if name in names and name not in trained:
                 del state[key]
-        return state
 
     return hook
 
