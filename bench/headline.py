@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib.util
 import json
 import os
 import shutil
@@ -50,21 +49,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # loaded by path (the tests do): machinery.py is beside it
+    sys.path.insert(0, str(HERE))
+import machinery  # noqa: E402
 
-
-def _machinery():
-    """bench/bench.py (Row, run_row, machine, steady, summarize) as a module of its own name,
-    loaded by path: this folder need not be on sys.path, nor is it put there."""
-    name = "_headline_bench"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "bench.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses resolve the module by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bench = _machinery()
+bench = machinery.load()
 ROOT = bench.ROOT
 SUITE = "headline"
 

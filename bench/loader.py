@@ -32,8 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import headline
+import machinery
 
-import bench
+bench = machinery.load()  # bench.py's machinery: bench.py imports this suite to run it
 
 TRAINER, TRAINER_PIL, BARE, TEXTBOOK = (
     "trainer image folder, torchvision.io decoder",

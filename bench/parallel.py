@@ -44,7 +44,6 @@ tests/test_parallel_bench.py runs it.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import signal
@@ -58,20 +57,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # loaded by path (the tests do): machinery.py is beside it
+    sys.path.insert(0, str(HERE))
+import machinery  # noqa: E402
 
-
-def _machinery():
-    """bench/bench.py as a module of its own name, loaded by path (as bench/headline.py does)."""
-    name = "_parallel_bench"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / "bench.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses resolve the module by name
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-bench = _machinery()
+bench = machinery.load()
 ROOT = bench.ROOT
 SUITE = "parallel"
 P = 2  # pipeline stages, tensor-parallel ranks, data-parallel ranks: every split is in two
