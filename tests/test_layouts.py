@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers import ranks, shared_run, train_here, train_losses, weights
 
@@ -110,3 +111,71 @@ def test_starting_weights_seed_a_pipeline_as_they_seed_one_process(world_1, tmp_
     assert "initial weights from" in out.stdout, out.stdout
     assert train_losses(tmp_path / "pp") == train_losses(tmp_path / "one")
     assert len(train_losses(tmp_path / "one")) == 2
+
+
+class _Unused(torch.nn.Module):
+    """A model with a layer no forward reaches: AdamW never makes its state."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+class _Counting(torch.optim.SGD):
+    """An optimizer plug-in whose state_dict holds an entry of its own."""
+
+    def state_dict(self):
+        return {**super().state_dict(), "calls": 7}
+
+    def load_state_dict(self, state_dict):
+        self.calls = state_dict.pop("calls")
+        super().load_state_dict(state_dict)
+
+
+@pytest.mark.parametrize("make", [torch.optim.AdamW, _Counting], ids=["adamw", "plug-in"])
+def test_a_whole_checkpoint_loads_a_parameter_without_state_and_a_plug_ins_own_entries(make):
+    """A whole model's optimizer state is torch's own state_dict keyed by name: a parameter that
+    never had a gradient (no state) and a plug-in's extra entries go in and come back as they
+    were, parameter by parameter, on the live optimizer's numbering."""
+    from trainer import namedstate
+    from trainer.parallel.parts import whole
+
+    torch.manual_seed(0)
+    model = _Unused()
+    opt = make(
+        [
+            {"params": [model.used.weight, model.unused.weight]},
+            {"params": [model.used.bias, model.unused.bias]},
+        ],
+        lr=0.1,
+    )
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    saved = namedstate.whole(whole(model), opt)
+    assert set(saved["optimizer"]["state"]) <= {"used.weight", "used.bias"}
+    torch.manual_seed(1)
+    again = _Unused()
+    other = make(
+        [
+            {"params": [again.used.weight, again.unused.weight]},
+            {"params": [again.used.bias, again.unused.bias]},
+        ],
+        lr=0.1,
+    )
+    namedstate.load_whole(whole(again), other, saved, sharded=False)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True)
+    )
+    assert len(other.state) == len(opt.state)
+    for p, q in zip(model.parameters(), again.parameters(), strict=True):
+        assert opt.state[p].keys() == other.state[q].keys()
+        assert all(
+            torch.equal(torch.as_tensor(opt.state[p][k]), torch.as_tensor(other.state[q][k]))
+            for k in opt.state[p]
+        )
+    if make is _Counting:
+        assert other.calls == 7

@@ -201,12 +201,13 @@ def test_a_whole_optimizer_state_loads_into_a_stage_by_name(saved):
     opt = _stepped(cfg, model)
     order = params.numbering(cfg.optim, model.named_parameters())
     state = namedstate.whole(whole(model), opt)
-    numbering = None
     if saved != "by name":
-        state, numbering = {**state, "optimizer": opt.state_dict()}, order
+        state = {**state, "optimizer": opt.state_dict()}
     parts = _stage(model, 1, cfg)
     mine = optim.build(cfg.optim, parts.view, whole=order)
-    namedstate.load_whole(parts, mine, state, numbering)
+    namedstate.load_whole(
+        parts, mine, state, sharded=True, index_keyed=saved != "by name", numbering=order
+    )
     assert [g["weight_decay"] for g in mine.param_groups] == [0.1, 0.0]
     for name, p in parts.view.named_parameters():
         if not p.requires_grad:

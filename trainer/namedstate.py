@@ -120,48 +120,97 @@ def _renamed(flat: dict, aliases: dict[str, str], back: bool = False) -> dict:
 # --- whole state: a model that is not sharded ---------------------------------------------------
 
 
+def order(view: nn.Module, optimizer) -> list[str]:
+    """The names of `optimizer`'s parameters in the order its state_dict numbers them (group
+    after group; a tied weight under its first name, as named_parameters gives it)."""
+    name_of = {id(p): n for n, p in view.named_parameters()}
+    return [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
 def whole(parts: ModelParts, optimizer) -> dict:
-    """{"model", "optimizer"} of a model every rank holds whole (no DTensors, no split), keyed
-    by name: the live tensors (copy them before training goes on). No collective."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """{"model", "optimizer"} of a model this rank holds whole (no DTensors, no split), keyed
+    by name: torch's own optimizer state_dict (a plug-in's extra entries too) with each number
+    replaced by its parameter's name, the form DCP's get_state_dict gives. The live tensors
+    (copy them before training goes on); no collective, and no step of DCP's to make a state."""
+    state = optimizer.state_dict()
+    return {
+        "model": parts.view.state_dict(),
+        "optimizer": by_name(state, order(parts.view, optimizer)),
+    }
 
-    model, optim = get_state_dict(parts.view, optimizer)
-    return {"model": model, "optimizer": optim}
 
-
-def load_whole(parts: ModelParts, optimizer, state: dict, numbering=None) -> None:
+def load_whole(
+    parts: ModelParts,
+    optimizer,
+    state: dict,
+    *,
+    sharded: bool,
+    index_keyed: bool = False,
+    numbering=(),
+) -> None:
     """Load a whole checkpoint's {"model", "optimizer"} (every rank passes all of it) into any
-    layout: this rank's names are taken, and DCP cuts them into its shards. `numbering`: the
-    whole model's trainable names group after group, for an index-keyed optimizer state (written
-    before names); None: the state is keyed by name. StateMismatch names what does not fit."""
+    layout. A model this rank holds whole (`sharded` false) loads it as torch's own state_dict,
+    renumbered for this optimizer; shards and pipeline stages through DCP's set_state_dict,
+    which takes this rank's names and cuts them into its shards. `index_keyed`: an optimizer
+    state numbered, not named (whole checkpoints written before names), read by the numbering of
+    the optimizer that wrote it: this one's where it holds the whole model, else `numbering`
+    (the whole model's trainable names group after group). StateMismatch names what does not
+    fit."""
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     model = mine(state["model"], parts.view)
     if problem := fit_problem(parts.view, model):
         raise StateMismatch("model", problem)
-    load_weights(parts.view, model)
-    optimizer.zero_grad(set_to_none=True)  # as in load_sharded: DCP then makes the state
     with loading("optimizer"):
-        optim = state["optimizer"] if numbering is None else by_name(state["optimizer"], numbering)
+        optim = state["optimizer"]
+        if index_keyed:
+            optim = by_name(optim, numbering if parts.pipe else order(parts.view, optimizer))
         optim = _aliased(optim, parts.aliases)
         if problem := group_problem(parts.view, optimizer, optim):
             raise StateMismatch("optimizer", problem)
-        set_optimizer_state_dict(
-            parts.view, optimizer, optim, options=_options(full_state_dict=True)
-        )
+        if not sharded:
+            optimizer.load_state_dict(_by_index(optim, parts.view, optimizer))
+        else:
+            # DCP makes the optimizer's state first (a step on zero gradients at lr 0), and
+            # skips that where a gradient is set; a parameter the saved state lacks (it never
+            # had a gradient) keeps that fresh state (strict=False).
+            optimizer.zero_grad(set_to_none=True)
+            options = _options(full_state_dict=True, strict=False)
+            set_optimizer_state_dict(parts.view, optimizer, optim, options=options)
+    load_weights(parts.view, model)  # after DCP's step at lr 0: nothing of it stays
 
 
 def by_name(state: dict, names) -> dict:
     """torch's own optimizer state_dict (parameters numbered group after group, as the
-    optimizer that wrote it numbered the whole model's trainable parameters: `names`) keyed by
-    name instead."""
+    optimizer that wrote it numbered them: `names`) keyed by name instead; other entries kept."""
     names = list(names)
     return {
+        **state,
         "state": {names[i]: v for i, v in state["state"].items()},
         "param_groups": [
             {**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]
         ],
     }
+
+
+def _by_index(state: dict, view: nn.Module, optimizer) -> dict:
+    """A whole optimizer state keyed by name as torch's load_state_dict takes it for `optimizer`:
+    its groups in this optimizer's order, each parameter numbered as this optimizer numbers it
+    (torch matches saved and live parameters by position), the settings of the saved group that
+    holds them (group_problem checked there is one)."""
+    names = order(view, optimizer)
+    index = {n: i for i, n in enumerate(names)}
+    if extra := [n for g in state["param_groups"] for n in g["params"] if n not in index]:
+        raise ValueError(f"it holds parameters this optimizer does not ({', '.join(extra[:3])})")
+    group_of = {n: g for g in state["param_groups"] for n in g["params"]}
+    groups, start = [], 0
+    for g in optimizer.param_groups:
+        end = start + len(g["params"])
+        saved = group_of[names[start]] if end > start else {}
+        groups.append({**saved, "params": list(range(start, end))})
+        start = end
+    own = {index[n]: v for n, v in state["state"].items() if n in index}
+    return {**state, "state": own, "param_groups": groups}
 
 
 def group_problem(view: nn.Module, optimizer, state: dict) -> str | None:
@@ -217,9 +266,11 @@ def load_weights(view: nn.Module, state: dict, strict: bool = True) -> None:
 
 def whole_weights(parts: ModelParts, mesh: Mesh, main: bool) -> dict | None:
     """The whole model's weights as plain CPU tensors on the main rank (None elsewhere): a
-    collective where the model is sharded or split, every rank calls it."""
+    collective where the model is sharded or split, every rank calls it. Sharded or not is the
+    layout's (FSDP or tp), not the parameters' at the time: FSDP2 leaves a root unsharded after
+    an evaluation's forward."""
     view, split = parts.view, parts.pipe is not None
-    if any(hasattr(p, "to_local") for p in view.parameters()):
+    if mesh.dims.wraps == "fsdp" or mesh.layout.tp > 1:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # cpu_offload keeps the whole weights on global rank 0 only; a model split over a mesh

@@ -53,8 +53,9 @@ class ModelState:
     ):
         self.parts, self.optimizer, self.mesh = parts, optimizer, mesh
         self.numbering = tuple(numbering)
-        """The whole model's trainable parameter names group after group: what an index-keyed
-        optimizer state (a whole checkpoint written before names) numbers."""
+        """The whole model's trainable parameter names group after group (params.numbering):
+        what an index-keyed optimizer state (a whole checkpoint written before names) numbers,
+        read by a pipeline stage, whose own optimizer holds only its part."""
         # Looked at once, as built: FSDP2 leaves a root's parameters unsharded after a forward
         # with no backward (an evaluation), so asking later could give another answer on the
         # next save, and rank 0 alone would gather.
@@ -93,8 +94,10 @@ class ModelState:
         """Load a whole checkpoint's {"model", "optimizer"} (every rank passes all of it) into
         this layout; `index_keyed`: an optimizer state numbered rather than named (written
         before names). StateMismatch names the part that does not fit."""
-        numbering = self.numbering if index_keyed else None
-        namedstate.load_whole(self.parts, self.optimizer, state, numbering)
+        namedstate.load_whole(
+            self.parts, self.optimizer, state, sharded=self.sharded, index_keyed=index_keyed,
+            numbering=self.numbering,
+        )  # fmt: skip
 
     def local_weights(self) -> dict[str, torch.Tensor]:
         """This rank's part of the live weights (its shards where sharded), on the CPU."""

@@ -265,8 +265,3 @@ def unwrap(model: nn.Module) -> nn.Module:
 def plain_copy(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous, unshared copies of a state dict's tensors (what safetensors stores)."""
     return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
-
-
-def plain_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """CPU, contiguous, unshared tensors of the unwrapped model: no `module.`/`_orig_mod.` keys."""
-    return plain_copy(unwrap(model).state_dict())

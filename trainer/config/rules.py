@@ -157,8 +157,8 @@ def resolve_strategy(cfg: Config, world_size: int, *, on_cuda: bool | None = Non
     """The strategy dist.strategy names on `world_size` ranks (auto: ddp on several ranks), or a
     ConfigError for a combination that cannot run. on_cuda None: not known yet (config check).
 
-    The rules of trainer.strategy.choose, kept here (no torch) so `trainer config check` applies
-    them too. Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
+    The rules trainer.parallel.dims.describe applies to a run, kept here (no torch) so `trainer
+    config check` applies them too. Mistakes are the same on every rank, so they are ConfigErrors: rank 0 reports them.
     """
     lay = layout(cfg, world_size)
     name = cfg.dist.strategy

@@ -78,7 +78,7 @@ class Mesh:
         return rank_of(self.layout, **{**here, **coords})
 
     def describe(self) -> str:
-        """'dp=2,pp=2 (this rank: dp 1, pp 0)' for the banner."""
+        """'dp=2,pp=2 (rank 2: dp 1, pp 0)' for the banner."""
         here = ", ".join(
             f"{d} {getattr(self, d + '_rank')}" for d in DIMS if getattr(self.layout, d) > 1
         )
