@@ -123,10 +123,11 @@ def _slow_storage(seed: int) -> None:
         setattr(os, name, slow)
 
 
-def _contender(run_dir, start, done, results, seed) -> None:
+def _contender(run_dir, start, done, results, seed, slow=True) -> None:
     """One job's rank 0 starting at the same moment as the others on slow storage: it takes the
     lock or is refused; a winner holds it until every contender has tried."""
-    _slow_storage(seed)
+    if slow:
+        _slow_storage(seed)
     start.wait()
     try:
         lock = RunLock(run_dir, {}).acquire()
@@ -176,3 +177,69 @@ def test_a_lock_that_is_not_a_file_is_one_line_not_a_hang(tmp_path):
     os.mkfifo(run_dir / LOCK)
     with pytest.raises(ConfigError, match="is not a regular file.*remove it"):
         RunLock(run_dir, {}).acquire()
+
+
+def _no_hard_links(seed: int) -> None:
+    """Storage that refuses hard links (some FUSE, SMB and object-store mounts)."""
+    import errno
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    os.link = refuse
+
+
+def _contender_without_links(run_dir, start, done, results, seed) -> None:
+    _no_hard_links(seed)
+    _contender(run_dir, start, done, results, seed, slow=False)
+
+
+def test_storage_without_hard_links_gets_an_exclusive_create_and_a_rename_takeover(tmp_path):
+    """Where links are refused the lock is an O_EXCL create (four racing jobs, 10 times: one
+    wins), and a dead job's lock is taken over by renaming it away."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    for round_ in range(10):
+        run_dir = tmp_path / f"run{round_}"
+        start, done, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
+        jobs = [
+            ctx.Process(target=_contender_without_links, args=(run_dir, start, done, results, i))
+            for i in range(4)
+        ]
+        for j in jobs:
+            j.start()
+        outcomes = sorted(results.get(timeout=30) for _ in jobs)
+        for j in jobs:
+            j.join(timeout=30)
+        assert outcomes == ["refused", "refused", "refused", "won"], (round_, outcomes)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    run_dir = tmp_path / "dead"
+    _leave(run_dir, _holder(pid=dead.pid, process_start="1"))
+    original = os.link
+    _no_hard_links(0)
+    try:
+        lock = RunLock(run_dir, {}).acquire()
+        assert json.loads((run_dir / LOCK).read_text())["token"] == lock.me.token
+        lock.release()
+    finally:
+        os.link = original
+    assert os.listdir(run_dir) == []
+
+
+def test_torchruns_run_id_none_is_no_job_to_share_a_lock_with():
+    """torchrun sets TORCHELASTIC_RUN_ID=none where it has no --rdzv-id: two such jobs are not
+    one job's restarts."""
+    assert Holder.here({"TORCHELASTIC_RUN_ID": "none"}).job is None
+    assert Holder.here({"TORCHELASTIC_RUN_ID": "abc"}).job == "abc"
+
+
+def test_the_next_holder_sweeps_tombstones_a_killed_job_left(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / f"{LOCK}.gone-12-34").write_text("{}")  # a job killed after its takeover
+    lock = RunLock(run_dir, {}).acquire()
+    assert sorted(os.listdir(run_dir)) == [LOCK]
+    lock.release()
+    assert os.listdir(run_dir) == []

@@ -81,6 +81,7 @@ class Holder:
     @classmethod
     def here(cls, environ: Mapping[str, str]) -> Holder:
         now = time.time()
+        job = environ.get("TORCHELASTIC_RUN_ID")  # "none": torchrun given no --rdzv-id
         return cls(
             host=socket.gethostname(),
             pid=os.getpid(),
@@ -88,7 +89,7 @@ class Holder:
             process_start=_started(os.getpid()),
             since=now,
             beat=now,
-            job=environ.get("TORCHELASTIC_RUN_ID") or None,
+            job=job if job not in (None, "", "none") else None,
             token=uuid.uuid4().hex,
         )
 
@@ -138,21 +139,45 @@ def _write(path: str, holder: Holder) -> None:
     jsonfile.write_json(path, asdict(holder), tag=holder.token)
 
 
-def _link(src: str, dst: str) -> bool:
-    """Hard-link `src` as `dst`; False when `dst` exists. Over NFS a link whose reply was lost
-    raises though it was made: the link count says whether it was."""
+class NoHardLinks(OSError):
+    """The run folder's storage makes no hard links (some FUSE, SMB and object-store mounts)."""
+
+
+_NO_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS, errno.EXDEV}
+
+
+def _link(src: str, dst: str, private: bool) -> bool:
+    """Hard-link `src` as `dst`; False when `dst` exists (or has gone). Over NFS a link whose
+    reply was lost raises though it was made: where `src` is this job's own file (`private`),
+    its link count says whether it was; elsewhere that is not knowable, and counts as lost."""
     try:
         os.link(src, dst)
         return True
-    except FileExistsError:
+    except (FileExistsError, FileNotFoundError):
         return False
     except OSError as e:
-        if e.errno == errno.EEXIST:
+        if e.errno in (errno.EEXIST, errno.ENOENT):
+            return False
+        if e.errno in _NO_LINKS:
+            raise NoHardLinks(e.errno, f"no hard links on this storage: {e}") from None
+        if not private:
             return False
         with contextlib.suppress(OSError):
             if os.stat(src).st_nlink == 2:
                 return True
         raise
+
+
+def _create_exclusive(path: str, holder: Holder) -> bool:
+    """The lock made with O_EXCL (storage without hard links); False when it exists. A reader
+    may see it empty for the moment between the create and the write: it waits (_take)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(asdict(holder), f)
+    return True
 
 
 class RunLock:
@@ -168,6 +193,8 @@ class RunLock:
         """The folders acquire made (deepest first): removed again if the job leaves them empty."""
         self._tombs: list[str] = []
         """The tombstone of the dead lock this job took over: removed with this job's lock."""
+        self._hardlinks = True
+        """False once the storage refused a hard link: O_EXCL creates, rename takeovers."""
 
     def acquire(self) -> RunLock | None:
         """Hold the folder, or raise ConfigError naming the live job that holds it. None (and no
@@ -184,13 +211,20 @@ class RunLock:
     def _take(self) -> RunLock:
         beat: tuple[float, float] | None = None  # (a foreign holder's beat, seen since)
         taking: tuple[tuple, float] | None = None  # (a dead lock another newcomer takes, since)
+        unreadable: tuple[tuple, float] | None = None  # (a lock that is not a record, since)
         while True:
             if self._create():
                 return self._beating()
             holder, ident = _read(self.path)
             if ident is None:  # gone between the create and the read: try again
+                time.sleep(0.01)
                 continue
             now = time.monotonic()
+            if holder is None and (unreadable is None or unreadable[0] != ident):
+                unreadable = (ident, now)  # a lock still being written (no hard links): wait
+            if holder is None and now - unreadable[1] < 1.0:
+                time.sleep(0.05)
+                continue
             if holder is None or self._gone(holder):
                 if self._replace(ident):
                     return self._beating()
@@ -216,11 +250,17 @@ class RunLock:
             time.sleep(min(1.0, BEAT_S / 5))
 
     def _create(self) -> bool:
-        """The lock made with this job's record, if no lock exists (atomic: a hard link)."""
+        """The lock made with this job's record, if no lock exists (atomic: a hard link; an
+        O_EXCL create where the storage makes no hard links)."""
+        if not self._hardlinks:
+            return _create_exclusive(self.path, self.me)
         mine = f"{self.path}.{self.me.token}.new"
         jsonfile.write_json(mine, asdict(self.me), tag=self.me.token)
         try:
-            return _link(mine, self.path)
+            return _link(mine, self.path, private=True)
+        except NoHardLinks:
+            self._hardlinks = False
+            return _create_exclusive(self.path, self.me)
         finally:
             with contextlib.suppress(OSError):
                 os.remove(mine)
@@ -232,15 +272,48 @@ class RunLock:
         """Take over the lock file `ident` (its holder is gone): only the newcomer that links it
         to its tombstone does, and only if the lock is still that file."""
         tomb = self._tomb(ident)
-        if not _link(self.path, tomb):
-            return False
+        try:
+            if self._hardlinks and not _link(self.path, tomb, private=False):
+                return False
+        except NoHardLinks:
+            self._hardlinks = False
+        if not self._hardlinks:  # rename the dead lock away (a rename keeps the file's inode)
+            try:
+                os.rename(self.path, tomb)
+            except FileNotFoundError:
+                return False
         info = os.stat(tomb)
         if (info.st_ino, info.st_mtime_ns) != ident:  # the lock changed meanwhile: not ours
-            os.remove(tomb)
+            if not self._hardlinks:
+                os.rename(tomb, self.path)  # put back what was moved away
+            else:
+                os.remove(tomb)
             return False
-        _write(self.path, self.me)
         self._tombs.append(tomb)
-        return True
+        try:
+            if self._hardlinks:
+                _write(self.path, self.me)
+                return True
+            return self._create()
+        except BaseException:
+            self._tombs.remove(tomb)
+            with contextlib.suppress(OSError):
+                os.remove(tomb)  # others may take the dead lock over again
+            raise
+
+    def _sweep(self) -> None:
+        """Once this job holds the lock: the tombstones of locks taken over before (a job
+        killed after a takeover leaves its own) and temporary files a killed job left."""
+        folder, name = os.path.split(self.path)
+        now = time.time()
+        for entry in os.listdir(folder):
+            path = os.path.join(folder, entry)
+            if not entry.startswith(name + ".") or path in self._tombs:
+                continue
+            with contextlib.suppress(OSError):
+                tomb = entry.startswith(name + ".gone-")
+                if tomb or now - os.stat(path).st_mtime > 600:  # .new/.tmp: a killed writer's
+                    os.remove(path)
 
     def _gone(self, holder: Holder) -> bool:
         if holder.same_job(self.me):
@@ -250,6 +323,7 @@ class RunLock:
         return time.time() - holder.beat > STALE_S
 
     def _beating(self) -> RunLock:
+        self._sweep()
         self._thread = threading.Thread(target=self._beat, name="trainer-runlock", daemon=True)
         self._thread.start()
         return self
