@@ -17,7 +17,8 @@ LAYERS = [
     "checkpoint.writer tracking.sender",
     "tracking.mlflow_rest parallel parallel.layout parallel.styles parallel.split",
     "tracking.wandb_sink",
-    "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params",
+    "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params "
+    "deferred",
     "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules

@@ -56,13 +56,20 @@ def flops_per_sample(model: torch.nn.Module, task, batch, device: str) -> float 
     from trainer import batch as batches
 
     try:
-        probe = copy.deepcopy(model).to(device)
+        if any(p.is_meta for p in model.parameters()):  # a deferred model: count on shapes
+            probe, batch = copy.deepcopy(model), batches.map_tensors(_on_meta, batch)
+        else:
+            probe = copy.deepcopy(model).to(device)
         probe.eval()  # no BatchNorm statistics or dropout draws; the FLOPs are the same
         with FlopCounterMode(display=False) as counter:
             task.loss(task.forward(probe, batch), batch).backward()
         return counter.get_total_flops() / batches.size(batch)
     except Exception:
         return None
+
+
+def _on_meta(t: torch.Tensor) -> torch.Tensor:
+    return t.to("meta")
 
 
 def mfu(samples_per_s: float, flops: float | None, peak: float | None, world_size: int):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, lora, models, optim, params, perf, ranks, repro, sampler, tasks
+from trainer import data, deferred, lora, models, optim, params, perf, ranks, repro, sampler, tasks
 from trainer.checkpoint.init import load_init
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.resume import Resume
@@ -84,6 +84,9 @@ class Run:
     """time.time() when `trainer train` began."""
     resumed: Resume | None = None
     """The checkpoint the run continues from (None: a fresh start)."""
+    deferred: bool = False
+    """The model was built without storage and only this rank's part materialized
+    (trainer/deferred.py), or built whole (False)."""
     model_forward: Callable | None = None
     """A split model's evaluation forward (batch -> output on the last stage), None for a whole
     one (trainer/parallel/stages.py)."""
@@ -195,8 +198,9 @@ def build(
 ) -> Run:
     """Data, task, model, its layout, optimizer and schedule, then the resume (or a fresh
     start): the Run, complete."""
-    mesh = meshes.build(world, dims)  # this rank's place (a DeviceMesh only for a split model)
-    spec, task, model = inputs(cfg, world.device, plugins or Plugins())
+    mesh, plugins = meshes.build(world, dims), plugins or Plugins()  # a DeviceMesh if split
+    spec, task = data_and_task(cfg, world.device, plugins)
+    model, later = _built(cfg, spec, plugins, world.device, defer=_defers(cfg, dims, plugins))
     flops, peak = _flops(cfg, world, spec, task, model)
     model = lora.prepare(cfg.optim, model, cfg.ckpt)  # what trains
     per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
@@ -206,7 +210,7 @@ def build(
     if mesh.layout.pp > 1:
         pipeline.check_tail(len(spec.train), cfg, mesh, reached=total >= per_epoch)
     numbering = params.numbering(cfg.optim, model.named_parameters())  # the whole model's
-    parts = apply.parallelize(model, mesh, world, cfg.train)
+    parts = apply.parallelize(model, mesh, world, cfg.train, later)
     step = _train_step(
         cfg, world, parts, mesh=mesh, task=task, steps=(per_epoch, total), order=numbering
     )
@@ -232,6 +236,7 @@ def build(
         ckpt=ckpt, log=log, stop=stop, state=state.loop, results=state.results, resumed=resumed,
         steps_per_epoch=per_epoch, total_steps=total, started=started, flops_per_sample=flops,
         peak_flops=peak, model_forward=stages.evaluator(parts.pipe, task, world.device),
+        deferred=later is not None,
         watchdog=_watchdog(cfg, world), hosts=hosts,
         stragglers=Stragglers(world.size) if world.is_main else None, folder_chosen=folder_chosen,
     )  # fmt: skip
@@ -240,11 +245,32 @@ def build(
 def inputs(cfg: Config, device: str, plugins: Plugins) -> tuple:
     """(data, task, model): what the config (or trainer.fit's plugins) names, the model built
     after the same seed on every rank and every world size (the same initial weights), batches
-    and model on `device`. What `trainer train` and `trainer eval` start from."""
+    and model on `device`. What `trainer eval` and `trainer export --merge` start from."""
+    spec, task = data_and_task(cfg, device, plugins)
+    return spec, task, _built(cfg, spec, plugins, device)[0]
+
+
+def data_and_task(cfg: Config, device: str, plugins: Plugins) -> tuple:
+    """(data, task): the seed set first, as every rank and world size does before building."""
     torch.manual_seed(cfg.seed)
     spec = data.build(cfg.data, cfg.seed, device, source=plugins.data)
-    task = tasks.build(cfg.task, spec, source=plugins.task)
-    return spec, task, _model(cfg, spec, plugins.model).to(device)
+    return spec, tasks.build(cfg.task, spec, source=plugins.task)
+
+
+def _defers(cfg: Config, dims: ParallelDims, plugins: Plugins) -> bool:
+    """Whether the model is built without storage (trainer/deferred.py): where no rank is to
+    hold it whole (FSDP's shards, tp, pipeline stages). Not for LoRA (its base weights load into
+    the built model) nor a model trainer.fit was handed already built."""
+    split = dims.wraps == "fsdp" or dims.layout.model_parallel
+    return split and not cfg.optim.lora_targets and not isinstance(plugins.model, torch.nn.Module)
+
+
+def _built(cfg: Config, spec, plugins: Plugins, device: str, defer: bool = False) -> tuple:
+    """(the model on `device`, None), or with `defer` (the model on the meta device, the
+    Deferred that gives a part of it its storage and one process's initial values)."""
+    if defer:
+        return deferred.build(_model, cfg, spec, plugins.model)
+    return _model(cfg, spec, plugins.model).to(device), None
 
 
 def _flops(cfg: Config, world: World, spec, task: Task, model) -> tuple:

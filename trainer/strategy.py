@@ -32,14 +32,31 @@ def wrap(
     ignored: Collection[nn.Parameter] = (),
 ) -> nn.Module:
     """`model` wrapped as dims.wraps says, over `dp_mesh` (the mesh's dp dimension; None: the
-    whole world). `ignored`: parameters FSDP leaves whole on every rank (a pipeline's weights
-    tied across stages, whose per-micro-batch gradients the pipeline adds itself)."""
-    how = dims.wraps
-    if how == "ddp" and dims.layout.dp > 1:
-        return _ddp(model, world, dims.sync_bn, dp_mesh)
-    if how == "fsdp":
+    whole world): `replicate(shard(...))`."""
+    return replicate(shard(model, dims, world, dp_mesh, ignored), dims, world, dp_mesh)
+
+
+def shard(
+    model: nn.Module,
+    dims: ParallelDims,
+    world: World,
+    dp_mesh=None,
+    ignored: Collection[nn.Parameter] = (),
+) -> nn.Module:
+    """Under fsdp, `model` sharded by FSDP2 (a model on the meta device too: its parts get their
+    storage after); else as it is. `ignored`: parameters FSDP leaves whole on every rank (a
+    pipeline's weights tied across stages, whose per-micro-batch gradients it adds itself)."""
+    if dims.wraps == "fsdp":
         return _fsdp(model, world, dims.fsdp, dp_mesh, ignored)
-    if how == "dp":
+    return model
+
+
+def replicate(model: nn.Module, dims: ParallelDims, world: World, dp_mesh=None) -> nn.Module:
+    """Under ddp (several replicas), DDP over `dp_mesh`; under dp, nn.DataParallel; else as it
+    is. The model's storage must be there: DDP broadcasts rank 0's weights."""
+    if dims.wraps == "ddp" and dims.layout.dp > 1:
+        return _ddp(model, world, dims.sync_bn, dp_mesh)
+    if dims.wraps == "dp":
         return _data_parallel(model, world)
     return model
 

@@ -226,6 +226,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "device": w.device,
         "backend": w.backend,
         "strategy": run.mesh.dims.name,
+        "model_build": "deferred" if run.deferred else "whole",
         "restart_count": w.restart_count,
         "git": repro.git_commit() if w.is_main else None,
         "versions": metrics.versions(),

@@ -4,8 +4,10 @@ order, returning the parts this rank trains (trainer/parallel/parts.py).
     channels-last (train.channels_last)
     activation checkpointing (each block's forward wrapped in place, so before any split)
     the pipeline split (pp): this rank's stages, each then parallelized on its own
-    each part: the model's tensor-parallel plan (tp) -> DDP / FSDP / nn.DataParallel (the dp
-               dimension) -> torch.compile
+    each part: the model's tensor-parallel plan (tp) -> FSDP (the dp dimension's shards) ->
+               storage for a deferred model's part (trainer/deferred.py: this rank's shards
+               and stages only, with one process's initial values) -> DDP / nn.DataParallel
+               (the dp dimension's replicas) -> torch.compile
 
 torch.compile comes last, as before meshes: after DDP, whose bucket boundaries compiled graphs
 break at. The optimizer, the step, the clip, the checkpoints and evaluation take the returned
@@ -14,6 +16,7 @@ ModelParts; nothing is set on them afterwards.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import MappingProxyType
 
 import torch
@@ -21,6 +24,7 @@ from torch import nn
 
 from trainer import strategy
 from trainer.config import TrainConfig
+from trainer.deferred import Deferred
 from trainer.parallel import split as splits
 from trainer.parallel import tensor
 from trainer.parallel.mesh import Mesh
@@ -28,29 +32,38 @@ from trainer.parallel.parts import ModelParts, Pipe, whole
 from trainer.ranks import World
 
 
-def parallelize(model: nn.Module, mesh: Mesh, world: World, cfg: TrainConfig) -> ModelParts:
-    """`model` (built the same on every rank) laid out for this rank."""
+def parallelize(
+    model: nn.Module, mesh: Mesh, world: World, cfg: TrainConfig, later: Deferred | None = None
+) -> ModelParts:
+    """`model` (built the same on every rank: whole, or on the meta device with `later` to give
+    this rank's part its storage and initial values) laid out for this rank."""
     if cfg.channels_last:  # the step converts each 4-d input batch to match
         model = model.to(memory_format=torch.channels_last)
     if cfg.activation_checkpointing:
         strategy.checkpoint_activations(model)
-    if mesh.layout.pp == 1:
-        return whole(model, _part(model, mesh, world, cfg.compile))
-    return _pipelined(model, mesh, world, cfg.compile)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # before any split
+    if mesh.layout.pp > 1:
+        return _pipelined(model, mesh, world, (cfg.compile, later), shapes)
+    return replace(whole(model, _part(model, mesh, world, cfg.compile, later)), shapes=shapes)
 
 
-def _part(module: nn.Module, mesh: Mesh, world: World, compile: bool, ignored=()) -> nn.Module:
-    """One part (the model, or a stage): tp plan -> the dp dimension's wrapper -> compile."""
+def _part(module: nn.Module, mesh: Mesh, world: World, compile: bool, later, ignored=()):
+    """One part (the model, or a stage): tp plan -> FSDP -> its storage (deferred) -> DDP or
+    nn.DataParallel -> compile."""
     if mesh.layout.tp > 1:
         tensor.parallelize(module, mesh)
-    module = strategy.wrap(module, mesh.dims, world, mesh.sub("dp"), ignored)
+    dp_mesh = mesh.sub("dp")
+    module = strategy.shard(module, mesh.dims, world, dp_mesh, ignored)
+    if later is not None:
+        later.materialize(module, world.device)
+    module = strategy.replicate(module, mesh.dims, world, dp_mesh)
     return torch.compile(module) if compile else module
 
 
-def _pipelined(model: nn.Module, mesh: Mesh, world: World, compile: bool) -> ModelParts:
+def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, shapes) -> ModelParts:
     """This rank's stages of `model`, each laid out on its own; the view holds their parts
     under the whole model's names (the stage itself, or under interleaved 1F1B both)."""
-    dims = mesh.dims
+    dims, (compile, later) = mesh.dims, how
     split = splits.plan(model, dims.stages)
     local = tuple(mesh.pp_rank + k * dims.layout.pp for k in range(dims.stages_per_rank))
     tied = tuple(splits.tied_weights(model, split))
@@ -58,9 +71,8 @@ def _pipelined(model: nn.Module, mesh: Mesh, world: World, compile: bool) -> Mod
     ignored = {model.get_parameter(t.canonical) for t in tied} if dims.wraps == "fsdp" else set()
     pieces = {s: splits.piece(model, split, [s]) for s in local}
     view = pieces[local[0]] if len(local) == 1 else splits.piece(model, split, list(local))
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     names = tuple(n for n, _ in model.named_parameters())
-    modules = {s: _part(pieces[s], mesh, world, compile, ignored) for s in local}
+    modules = {s: _part(pieces[s], mesh, world, compile, later, ignored) for s in local}
     pipe = Pipe(split, mesh, local, MappingProxyType(modules), tied)
     return ModelParts(
         modules=tuple(modules[s] for s in local), view=view, names=names, shapes=shapes, pipe=pipe

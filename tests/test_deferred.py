@@ -1,0 +1,139 @@
+"""Deferred construction (trainer/deferred.py): a model built on the meta device gets, tensor by
+tensor, exactly the initial values a one-process build gives it, and a laid-out part (a
+pipeline stage, FSDP's shards) gets storage for its own tensors only."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import deferred
+from trainer.config import ModelConfig
+from trainer.errors import UsageError
+from trainer.gpt import GPT
+from trainer.models import build
+
+
+class _Inits(nn.Module):
+    """What user models do at construction: torch.nn.init's functions that skip meta tensors
+    (orthogonal_, trunc_normal_), views written in place, constants and derived buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 8)
+        self.emb = nn.Embedding(10, 16, padding_idx=0)
+        self.rnn = nn.LSTM(16, 8)
+        nn.init.orthogonal_(self.a.weight)
+        nn.init.trunc_normal_(self.b.weight, std=0.02)
+        with torch.no_grad():
+            self.b.weight[:2].mul_(0.5)  # a view of a parameter, written in place
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0]))  # a constant
+        self.register_buffer("mask", torch.tril(torch.ones(4, 4)), persistent=False)
+
+
+MODELS = {
+    "gpt": lambda: GPT(256, 32, 4, 32, 4),
+    "resnet18": lambda: build(ModelConfig(name="resnet18"), (3, 32, 32), 10),
+    "vgg11": lambda: build(ModelConfig(name="vgg11"), (3, 32, 32), 10),
+    "mlp": lambda: build(ModelConfig(name="mlp"), (1, 8, 8), 10),
+    "inits": _Inits,
+}
+
+
+def _all(model: nn.Module) -> dict:
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_a_deferred_model_gets_one_process_initial_values_bit_for_bit(name):
+    """Every parameter and buffer equal to the whole build's, the tied ones still one object,
+    and the generator where a whole build leaves it (what is drawn after the model, the same)."""
+    torch.manual_seed(0)
+    whole = MODELS[name]()
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    model, later = deferred.build(MODELS[name])
+    assert torch.equal(torch.get_rng_state(), after)
+    assert all(t.is_meta for t in model.parameters())
+    later.materialize(model, "cpu")
+    want, got = _all(whole), _all(model)
+    assert want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    assert len(list(model.parameters())) == len(list(whole.parameters()))  # ties kept
+
+
+def test_a_stage_gets_storage_for_its_own_tensors_only():
+    """A pipeline stage of a deferred GPT: its blocks (and the embeddings on the first, the
+    head on the last) are real with one process's values; every other tensor of the model stays
+    on the meta device, holding no memory."""
+    from trainer.parallel import split
+
+    torch.manual_seed(0)
+    whole = GPT(256, 32, 4, 32, 4)
+    torch.manual_seed(0)
+    model, later = deferred.build(GPT, 256, 32, 4, 32, 4)
+    last = split.piece(model, split.plan(model, 2), [1])
+    later.materialize(last, "cpu")
+    real = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.is_meta}
+    assert real == set(dict(last.named_parameters(remove_duplicate=False)))
+    assert "tok.weight" not in real and "head.weight" in real and "blocks.3.fc.weight" in real
+    for n, p in last.named_parameters():
+        assert torch.equal(p, whole.get_parameter(n)), n
+
+
+def test_fsdp_shards_get_their_slice_of_one_process_values():
+    """FSDP2 on a meta model (a one-rank mesh): the shards, filled, are the whole build's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        whole = GPT(256, 32, 2, 32, 4)
+        torch.manual_seed(0)
+        model, later = deferred.build(GPT, 256, 32, 2, 32, 4)
+        mesh = init_device_mesh("cpu", (1,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        later.materialize(model, "cpu")
+        for n, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), whole.get_parameter(n)), n
+        x = torch.randint(0, 256, (2, 32))
+        assert torch.equal(model(x), whole(x))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_factory_that_reads_tensor_values_is_one_line():
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3))
+            self.n = int(self.w.abs().sum().item() > 0)  # a value, not a shape
+
+    with pytest.raises(UsageError, match="cannot be built without storage") as e:
+        deferred.build(Reads)
+    assert "\n" not in str(e.value)
+
+
+def test_runs_that_split_the_model_build_it_deferred(tmp_path):
+    """run.json says how the model was built: deferred under fsdp, whole at world 1 (a run of
+    tests/test_layouts.py's size, in this process)."""
+    from tests.helpers import train_here
+
+    args = ["model.gpt.layers=2", "model.gpt.width=16", "model.gpt.heads=2", "train.max_steps=1"]
+    args += ["data.text.seq_len=16", "data.text.max_train_bytes=4000", "log.progress=none"]
+    args += ["data.text.max_test_bytes=1024", "log.tensorboard=false"]
+    for strategy, built in (("none", "whole"), ("fsdp", "deferred")):
+        run = tmp_path / strategy
+        train_here("train", *args, f"dist.strategy={strategy}", f"run_dir={run}",
+                   config_file="stdlib-gpt")  # fmt: skip
+        record = json.loads((run / "run.json").read_text())
+        assert record["model_build"] == built, (strategy, record["model_build"])
+    assert os.path.exists(tmp_path / "fsdp" / "final" / "model.safetensors")
