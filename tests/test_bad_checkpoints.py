@@ -660,7 +660,7 @@ def test_a_full_disk_when_writing_the_final_weights_exits_4_in_one_line_and_a_re
 
     run_dir = tmp_path / "run"
     with monkeypatch.context() as m:
-        m.setattr(train_mod, "save_weights", full)
+        m.setattr(train_mod, "save_streamed", full)
         code, _, err = in_process(capsys, "train", *TINY, f"run_dir={run_dir}")
     assert code == 4 and len(err.strip().splitlines()) == 1, err
     assert "No space left on device" in err and "rerunning the same command" in err

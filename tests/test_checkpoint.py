@@ -592,3 +592,39 @@ def test_the_presets_with_short_epochs_save_when_they_evaluate():
         ]
         assert saved == list(range(5, epochs, 5)), preset  # the last epoch: the final save
     assert config.load(None, []).ckpt.every_epochs == 5  # digits-mlp is the default config
+
+
+def test_a_streamed_safetensors_file_loads_with_safetensors_alone(tmp_path):
+    """trainer/checkpoint/streamed.py writes the header first, then each tensor as it comes:
+    plain safetensors (every dtype a model's state holds, an empty tensor, metadata); a tensor
+    out of order or a stream cut short leaves no file."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from trainer.checkpoint.streamed import StreamWriter
+
+    state = {
+        "w": torch.randn(3, 5),
+        "h": torch.randn(4, 2).to(torch.bfloat16),
+        "n": torch.tensor(7),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.zeros(0, 4),
+        "t": torch.randn(6, 3).t(),  # not contiguous
+    }
+    layout = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    path = tmp_path / "model.safetensors"
+    writer = StreamWriter(str(path), layout, {"config": "a: 1"})
+    for k, v in state.items():
+        writer.write(k, v)
+    writer.close()
+    back = load_file(str(path))
+    assert back.keys() == state.keys() and all(torch.equal(back[k], state[k]) for k in state)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"config": "a: 1"}
+    cut = tmp_path / "cut.safetensors"
+    writer = StreamWriter(str(cut), layout)
+    writer.write("w", state["w"])
+    with pytest.raises(ValueError, match="expected h"):
+        writer.write("n", state["n"])
+    writer.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]

@@ -31,7 +31,7 @@ LAYERS = [
     "state step parallel.apply",  # the Stateful parts; one optimizer step; parallelize
     "parallel.pipeline",
     "checkpoint.store",  # the on-disk format
-    "checkpoint.sharded",
+    "checkpoint.sharded checkpoint.streamed",
     "checkpoint.weights",
     "checkpoint.init",  # ckpt.init_weights matched to the model (fine-tuning)
     "checkpoint.resume lora",

@@ -27,7 +27,7 @@ from trainer import ranks
 from trainer.errors import first_line
 from trainer.parallel.mesh import Mesh
 from trainer.parallel.parts import ModelParts
-from trainer.strategy import local_part, plain_copy
+from trainer.strategy import local_part
 
 
 class StateMismatch(ValueError):
@@ -264,33 +264,34 @@ def load_weights(view: nn.Module, state: dict, strict: bool = True) -> None:
     set_model_state_dict(view, state, options=_options(full_state_dict=True, strict=strict))
 
 
-def whole_weights(parts: ModelParts, mesh: Mesh, main: bool) -> dict | None:
-    """The whole model's weights as plain CPU tensors on the main rank (None elsewhere): a
-    collective where the model is sharded or split, every rank calls it. Sharded or not is the
+def whole_tensors(parts: ModelParts, mesh: Mesh, main: bool):
+    """The whole model's state, one tensor at a time, in the whole model's order: (name, its
+    whole value as a CPU tensor) on the main rank, (name, None) elsewhere. Every rank iterates
+    it to the end (a collective): a sharded tensor is gathered by the ranks that hold its
+    shards (FSDP's, tp's), a pipeline stage's by its first dp and tp rank, which sends it to
+    the main rank; no rank holds more than one whole tensor at a time. Sharded or not is the
     layout's (FSDP or tp), not the parameters' at the time: FSDP2 leaves a root unsharded after
     an evaluation's forward."""
-    view, split = parts.view, parts.pipe is not None
-    if mesh.dims.wraps == "fsdp" or mesh.layout.tp > 1:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    sharded = mesh.dims.wraps == "fsdp" or mesh.layout.tp > 1
+    own = parts.view.state_dict()
+    pipe = parts.pipe
+    for name in parts.shapes:
+        t = own.get(name)
+        if t is not None and sharded and hasattr(t, "full_tensor"):
+            t = t.full_tensor()  # with the other ranks holding its shards
+        if pipe is None:
+            yield name, _host(t) if main else None
+            continue
+        keeper = mesh.peer(dp=0, pp=pipe.split.stage_of(name) % mesh.layout.pp, tp=0)
+        if keeper == mesh.rank and not main:
+            ranks.send_tensor(t.detach(), 0)
+        elif main and keeper != mesh.rank:
+            t = ranks.recv_tensor(keeper, str(next(parts.view.parameters()).device))
+        yield name, _host(t) if main else None
 
-        # cpu_offload keeps the whole weights on global rank 0 only; a model split over a mesh
-        # needs them on each stage's dp rank 0, so there every rank gathers its stage's.
-        options = _options(full_state_dict=True, cpu_offload=mesh.device_mesh is None)
-        state = get_model_state_dict(view, options=options)  # all-gathers
-    elif split or main:
-        state = view.state_dict()
-    else:
-        return None
-    if not split:
-        return plain_copy(state) if main else None
-    keeper = mesh.dp_rank == 0 and mesh.tp_rank == 0  # one copy of each stage
-    found = ranks.gather_objects(plain_copy(state) if keeper else None)
-    if not main:
-        return None
-    out: dict = {}
-    for part in found:
-        out.update(part or {})
-    return out
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def local_weights(view: nn.Module) -> dict[str, torch.Tensor]:

@@ -365,3 +365,41 @@ def all_reduce_sum(tensor):
         Collectives.enter("all_reduce")
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def _wire_dtypes() -> list:
+    """What send_tensor carries (its header names the dtype by its place here)."""
+    import torch
+
+    return [
+        torch.float32, torch.bfloat16, torch.float16, torch.float64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    ]  # fmt: skip
+
+
+def send_tensor(t, dst: int) -> None:
+    """Tensor `t` to rank `dst`, which need not know its dtype or shape (recv_tensor): a header
+    of its size, then the header (dtype, dimensions, shape), then the data. Point to point."""
+    import torch
+    import torch.distributed as dist
+
+    head = torch.tensor([_wire_dtypes().index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
+    size = torch.tensor([head.numel()], dtype=torch.int64)
+    dist.send(size.to(t.device), dst)
+    dist.send(head.to(t.device), dst)
+    dist.send(t.contiguous(), dst)
+
+
+def recv_tensor(src: int, device: str):
+    """The tensor rank `src` sends with send_tensor, on `device`."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src)
+    head = torch.zeros(int(size.item()), dtype=torch.int64, device=device)
+    dist.recv(head, src)
+    dtype, _, *shape = head.tolist()
+    out = torch.empty(shape, dtype=_wire_dtypes()[dtype], device=device)
+    dist.recv(out, src)
+    return out

@@ -32,7 +32,7 @@ from trainer import (
     strategy,
     tracking,
 )
-from trainer.checkpoint.weights import save_weights
+from trainer.checkpoint.weights import save_streamed
 from trainer.config import Config, check_world_size, to_dict
 from trainer.diagnostics import flight_recorder_env
 from trainer.errors import ConfigError, first_line, io_error
@@ -243,7 +243,8 @@ def finish(run: Run, record: dict) -> dict:
     state, results, w = run.state, run.results, run.world
     train_time = results.train_time_s  # all segments of a resumed run
     skipped = ranks.gather_objects(run.step.skipped_steps)  # fp16 overflow, per rank
-    memory = ranks.gather_objects(run.memory())
+    failed = _write_final(run)  # every rank: the weights stream to rank 0
+    memory = ranks.gather_objects(run.memory())  # after the final save: its peak counts
     summary = {
         **record,
         "steps": state.step,
@@ -265,11 +266,10 @@ def finish(run: Run, record: dict) -> dict:
         ),
         "config": to_dict(run.cfg),
     }
-    weights = namedstate.whole_weights(run.parts, run.mesh, w.is_main)  # a collective
     if w.is_main:
-        final = os.path.join(run.run_dir, "final")
         try:
-            save_weights(weights, final, metadata={"config": run.ckpt.config_yaml})
+            if failed is not None:
+                raise failed
             metrics.write_json(os.path.join(run.run_dir, "summary.json"), summary)
         except OSError as e:
             raise io_error(
@@ -280,6 +280,25 @@ def finish(run: Run, record: dict) -> dict:
             ) from None
         run.log.info(_done_line(run, summary))
     return summary
+
+
+def _write_final(run: Run) -> OSError | None:
+    """final/model.safetensors, streamed tensor by tensor from the ranks that hold the weights
+    (a collective: every rank goes through all of them); rank 0's write error, returned once
+    every rank has."""
+    p, main = run.parts, run.world.is_main
+    tensors = namedstate.whole_tensors(p, run.mesh, main)
+    error = None
+    if main:
+        layout = {k: (p.shapes[k], p.dtypes[k]) for k in p.shapes}
+        final = os.path.join(run.run_dir, "final")
+        try:
+            save_streamed(final, layout, tensors, metadata={"config": run.ckpt.config_yaml})
+        except OSError as e:
+            error = e
+    for _ in tensors:  # the rest (or all, off rank 0), so the others' sends are met
+        pass
+    return error
 
 
 def _step_split(run: Run) -> dict | None:

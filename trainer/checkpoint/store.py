@@ -165,10 +165,10 @@ def save_safetensors(
         if found is None:
             raise
         raise OSError(int(found[2]), found[1], path) from None
-    os.chmod(path, 0o666 & ~_umask())
+    os.chmod(path, 0o666 & ~umask())
 
 
-def _umask() -> int:
+def umask() -> int:
     """This process's umask, read without setting it: os.umask sets it, and in between another
     thread (the checkpoint writer, the metrics) would create files with the wrong mode."""
     try:

@@ -16,6 +16,7 @@ from torch import nn
 
 from trainer import hf
 from trainer.checkpoint import store
+from trainer.checkpoint.streamed import StreamWriter
 from trainer.errors import UsageError, io_error
 from trainer.state import fit_problem, non_finite
 from trainer.strategy import unwrap
@@ -39,6 +40,21 @@ def save_weights(
     """Write `directory/model.safetensors` atomically; loads with plain safetensors, no trainer."""
     with store.atomic_dir(directory) as tmp:
         store.save_safetensors(state, os.path.join(tmp, "model.safetensors"), metadata)
+    return os.path.join(directory, "model.safetensors")
+
+
+def save_streamed(directory: str, layout: dict, tensors, metadata: dict | None = None) -> str:
+    """`directory/model.safetensors` written atomically from `tensors` ((name, tensor) in
+    `layout`'s order: {name: (shape, dtype)}), one at a time (streamed.py)."""
+    with store.atomic_dir(directory) as tmp:
+        writer = StreamWriter(os.path.join(tmp, "model.safetensors"), layout, metadata)
+        try:
+            for name, tensor in tensors:
+                writer.write(name, tensor)
+            writer.close()
+        except BaseException:
+            writer.abort()
+            raise
     return os.path.join(directory, "model.safetensors")
 
 

@@ -41,10 +41,12 @@ def parallelize(
         model = model.to(memory_format=torch.channels_last)
     if cfg.activation_checkpointing:
         strategy.checkpoint_activations(model)
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}  # before any split
+    state = model.state_dict()  # before any split: the whole model's keys, shapes and dtypes
+    layout = {"shapes": {k: tuple(v.shape) for k, v in state.items()}}
+    layout["dtypes"] = {k: v.dtype for k, v in state.items()}
     if mesh.layout.pp > 1:
-        return _pipelined(model, mesh, world, (cfg.compile, later), shapes)
-    return replace(whole(model, _part(model, mesh, world, cfg.compile, later)), shapes=shapes)
+        return _pipelined(model, mesh, world, (cfg.compile, later), layout)
+    return replace(whole(model, _part(model, mesh, world, cfg.compile, later)), **layout)
 
 
 def _part(module: nn.Module, mesh: Mesh, world: World, compile: bool, later, ignored=()):
@@ -60,7 +62,7 @@ def _part(module: nn.Module, mesh: Mesh, world: World, compile: bool, later, ign
     return torch.compile(module) if compile else module
 
 
-def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, shapes) -> ModelParts:
+def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, layout) -> ModelParts:
     """This rank's stages of `model`, each laid out on its own; the view holds their parts
     under the whole model's names (the stage itself, or under interleaved 1F1B both)."""
     dims, (compile, later) = mesh.dims, how
@@ -75,7 +77,7 @@ def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, shapes) -
     modules = {s: _part(pieces[s], mesh, world, compile, later, ignored) for s in local}
     pipe = Pipe(split, mesh, local, MappingProxyType(modules), tied)
     return ModelParts(
-        modules=tuple(modules[s] for s in local), view=view, names=names, shapes=shapes, pipe=pipe
+        modules=tuple(modules[s] for s in local), view=view, names=names, pipe=pipe, **layout
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from trainer.parallel.mesh import Mesh
@@ -58,6 +59,8 @@ class ModelParts:
     shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     """The whole model's state_dict keys -> shapes, taken before any split: what starting
     weights are matched against on every rank alike."""
+    dtypes: Mapping[str, torch.dtype] = field(default_factory=dict)
+    """The whole model's state_dict keys -> dtypes (with `shapes`: a whole file's layout)."""
     pipe: Pipe | None = None
     """pp only: the split and this rank's stages."""
 
@@ -93,4 +96,5 @@ def whole(model: nn.Module, running: nn.Module | None = None) -> ModelParts:
         view=view,
         names=tuple(n for n, _ in view.named_parameters()),
         shapes={k: tuple(v.shape) for k, v in view.state_dict().items()},
+        dtypes={k: v.dtype for k, v in view.state_dict().items()},
     )

@@ -11,6 +11,7 @@ import functools
 import torch
 from torch import nn
 
+from trainer import ranks
 from trainer.errors import UsageError
 from trainer.parallel.parts import Pipe
 from trainer.strategy import unwrap
@@ -53,14 +54,14 @@ def run_through(pipe: Pipe, inputs: tuple | None, device: str, seen: dict | None
         if s not in pipe.local:
             continue
         if s > 0 and pipe.owner(s - 1) != pipe.mesh.rank:
-            x = (_recv(pipe.owner(s - 1), device),)
+            x = (ranks.recv_tensor(pipe.owner(s - 1), device),)
         y = unwrap(pipe.modules[s])(*x)
         if seen is not None:
             seen[s] = (x, y)
         if s == pipe.split.n - 1:
             return y
         if pipe.owner(s + 1) != pipe.mesh.rank:
-            _send(y, pipe.owner(s + 1))
+            ranks.send_tensor(y, pipe.owner(s + 1))
         x = (y,)
     return None
 
@@ -82,32 +83,6 @@ def model_inputs(task, b) -> tuple:
 
     task.forward(Recorder(), b)
     return seen[0]
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-
-
-def _send(t: torch.Tensor, dst: int) -> None:
-    import torch.distributed as dist
-
-    head = torch.tensor([_DTYPES.index(t.dtype), t.dim(), *t.shape], dtype=torch.int64)
-    size = torch.tensor([head.numel()], dtype=torch.int64)
-    dist.send(size.to(t.device), dst)
-    dist.send(head.to(t.device), dst)
-    dist.send(t.contiguous(), dst)
-
-
-def _recv(src: int, device: str) -> torch.Tensor:
-    import torch.distributed as dist
-
-    size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.recv(size, src)
-    head = torch.zeros(int(size.item()), dtype=torch.int64, device=device)
-    dist.recv(head, src)
-    dtype, _, *shape = head.tolist()
-    out = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
-    dist.recv(out, src)
-    return out
 
 
 def forward(pipe: Pipe, task, device: str, b):
