@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long test-memory lint format bench lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -112,6 +112,9 @@ test-long: setup  ## the long end-to-end runs: stdlib-gpt to its documented numb
 
 test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp x tp) and compiled pp stages, against one process (~6 min)
 	$(BIN)/pytest -m mesh tests/test_parallel.py tests/test_tensor_parallel.py tests/test_layouts.py $(PYTEST_ARGS)
+
+test-memory: setup  ## a 226M-parameter GPT trains under FSDP dp=4 and pp=4 with each rank in a memory cgroup below one whole copy of the weights, and a rank holding it whole is killed (root; ~4 min)
+	$(BIN)/pytest -m memory -s tests/test_memory.py $(PYTEST_ARGS)
 
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
 	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)

@@ -20,6 +20,8 @@ line names it, and the layout runs with a whole build (`defer=False` where it is
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 from dataclasses import dataclass, field
 
@@ -31,6 +33,25 @@ from trainer.errors import UsageError
 
 _SKIP_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
 """torch.nn.init functions that return at once for a meta tensor."""
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def return_freed_memory() -> bool:
+    """For the rest of the process, each block of 64 KiB or more is mapped and unmapped on its
+    own, so what is freed goes back to the system at once; False where the C library has no
+    mallopt. Why: glibc's dynamic mmap threshold rises to the largest block freed (up to 32 MiB)
+    and serves smaller blocks from its heap, which tensors freed in another order than they were
+    allocated fragment. Measured on a 226M-parameter GPT (0.9 GB of weights): its recorded build
+    left 1.56 GB resident this way against 0.16 GB, and 2 steps under FSDP dp=4 (SGD) peaked at
+    4.3 GB a rank against 1.28 GB, in the same time (46.3 s both). A split layout's point is its
+    memory: the deferred build sets this."""
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 64 << 10))
 
 
 def _key(t: torch.Tensor) -> int:
@@ -265,6 +286,7 @@ def build(factory, *args, **kwargs) -> tuple[nn.Module, Deferred]:
     """`factory(*args, **kwargs)` built on the meta device: (the model, how to give its tensors
     their initial values). One line for a factory that needs tensor values to build."""
     recorder = _Recorder()
+    return_freed_memory()
     try:
         with _meta_aware_init(recorder), recorder:
             model = factory(*args, **kwargs)

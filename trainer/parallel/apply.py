@@ -82,7 +82,13 @@ def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, layout) -
 
 
 def note(parts: ModelParts, mesh: Mesh, world: World) -> str | None:
-    """The line rank 0 prints about the layout (the outermost dimension's), or None."""
+    """The lines rank 0 prints about the layout (the outermost dimension's, and a warning for
+    FSDP with nothing to shard but the root), or None."""
+    lines = [_layout_line(parts, mesh, world), _root_only(parts, mesh)]
+    return "\n".join(line for line in lines if line) or None
+
+
+def _layout_line(parts: ModelParts, mesh: Mesh, world: World) -> str | None:
     if parts.pipe is not None:
         p, dims = parts.pipe, mesh.dims
         return (
@@ -94,3 +100,17 @@ def note(parts: ModelParts, mesh: Mesh, world: World) -> str | None:
         tp = mesh.layout.tp
         return f"tensor parallel: each layer split over {tp} ranks, mesh {mesh.describe()}"
     return strategy.note(mesh.dims, world)
+
+
+def _root_only(parts: ModelParts, mesh: Mesh) -> str | None:
+    """FSDP shards a model unit by unit; one that names no units is gathered whole at every
+    step on every rank (more memory than one process's training): say so, and the fix."""
+    if mesh.dims.wraps != "fsdp" or strategy.shard_units(parts.view):
+        return None
+    gathered = sum(p.numel() * p.element_size() for p in parts.view.parameters())  # whole
+    name = type(parts.view).__name__
+    return (
+        f"warning: fsdp: {name} names no shard units, so every step gathers all of its "
+        f"{gathered / 2**20:,.1f} MiB of weights on every rank: give it a shard_units() method "
+        "returning its blocks (docs/extending.md, 'Shard units')"
+    )
