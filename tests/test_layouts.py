@@ -179,3 +179,19 @@ def test_a_whole_checkpoint_loads_a_parameter_without_state_and_a_plug_ins_own_e
         )
     if make is _Counting:
         assert other.calls == 7
+
+
+@pytest.mark.slow
+def test_a_whole_checkpoint_of_an_optimizer_without_state_resumes_under_fsdp(tmp_path):
+    """SGD without momentum keeps no state: DCP's full-state load finds no tensor to cut
+    ("Expected device to be set"), so only the settings are loaded, by name."""
+    sgd = [*SMALL, "optim.name=sgd", "optim.momentum=0"]
+    _here(*sgd, f"run_dir={tmp_path / 'one'}")
+    start = tmp_path / "one" / "checkpoints" / "step-000000002"
+    out = ranks(
+        "train", *PRESET, *sgd, "dist.strategy=fsdp", f"run_dir={tmp_path / 'fsdp'}",
+        f"ckpt.resume={start}", nproc=2,
+    ).stdout  # fmt: skip
+    assert "resumed from" in out, out
+    want, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    assert sorted(got) == [3, 4] and max(abs(got[s] - want[s]) for s in got) <= TOL

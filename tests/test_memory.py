@@ -121,3 +121,28 @@ def test_the_same_limit_kills_a_rank_that_holds_the_whole_model(limit, tmp_path)
         argv0=[sys.executable, str(script)],
     )  # fmt: skip
     assert any(r.oom_killed for r in ranks), [(r.code, r.peak) for r in ranks]
+
+
+@pytest.mark.parametrize("start", ["init_weights", "resume"])
+def test_starting_weights_and_a_whole_checkpoint_are_read_a_slice_a_rank(
+    limit, one_process, tmp_path, start
+):
+    """Under the same limit, FSDP dp=4 starts from the world-1 run's final weights
+    (ckpt.init_weights) or resumes its whole step-2 checkpoint: each rank maps the file and
+    keeps its slice of each tensor, never the whole model."""
+    run = tmp_path / "run"
+    if start == "init_weights":
+        extra = [f"ckpt.init_weights={one_process / 'final' / 'model.safetensors'}"]
+    else:
+        extra = [
+            "train.max_steps=3",
+            f"ckpt.resume={one_process / 'checkpoints' / 'step-000000002'}",
+        ]
+    args = ["train", *RUN, *SIZE, "dist.strategy=fsdp", *extra, f"run_dir={run}"]
+    ranks = memcap.run(args, 4, limit)
+    print(
+        f"{start}: limit {limit / 2**20:.0f} MiB a rank: {[(r.code, r.peak >> 20) for r in ranks]}"
+    )
+    assert all(r.code == 0 and not r.oom_killed for r in ranks), [r.stderr[-2000:] for r in ranks]
+    out = ranks[0].stdout
+    assert ("initial weights from" if start == "init_weights" else "resumed from") in out, out

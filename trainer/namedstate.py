@@ -22,6 +22,7 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from trainer import ranks
 from trainer.errors import first_line
@@ -168,8 +169,10 @@ def load_whole(
         optim = _aliased(optim, parts.aliases)
         if problem := group_problem(parts.view, optimizer, optim):
             raise StateMismatch("optimizer", problem)
-        if not sharded:
-            optimizer.load_state_dict(_by_index(optim, parts.view, optimizer))
+        if not sharded or not optim["state"]:  # whole, or nothing to cut (SGD: no state)
+            optim = _by_index(optim, parts.view, optimizer, exact=not sharded)
+            # Copies: torch keeps the tensors it is given, which map the checkpoint's file.
+            optimizer.load_state_dict(tree_map_only(torch.Tensor, torch.clone, optim))
         else:
             # DCP makes the optimizer's state first (a step on zero gradients at lr 0), and
             # skips that where a gradient is set; a parameter the saved state lacks (it never
@@ -193,14 +196,16 @@ def by_name(state: dict, names) -> dict:
     }
 
 
-def _by_index(state: dict, view: nn.Module, optimizer) -> dict:
+def _by_index(state: dict, view: nn.Module, optimizer, exact: bool = True) -> dict:
     """A whole optimizer state keyed by name as torch's load_state_dict takes it for `optimizer`:
     its groups in this optimizer's order, each parameter numbered as this optimizer numbers it
     (torch matches saved and live parameters by position), the settings of the saved group that
-    holds them (group_problem checked there is one)."""
+    holds them (group_problem checked there is one). `exact`: the saved groups hold no other
+    parameter (a whole model's; a pipeline stage's optimizer holds part of them)."""
     names = order(view, optimizer)
     index = {n: i for i, n in enumerate(names)}
-    if extra := [n for g in state["param_groups"] for n in g["params"] if n not in index]:
+    saved = [n for g in state["param_groups"] for n in g["params"]]
+    if exact and (extra := [n for n in saved if n not in index]):
         raise ValueError(f"it holds parameters this optimizer does not ({', '.join(extra[:3])})")
     group_of = {n: g for g in state["param_groups"] for n in g["params"]}
     groups, start = [], 0

@@ -122,9 +122,15 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def torch_load(path: str):
-    """torch.load restricted to tensors and plain containers; code-carrying pickles are refused."""
+def torch_load(path: str, mmap: bool = False):
+    """torch.load restricted to tensors and plain containers; code-carrying pickles are refused.
+    `mmap`: the tensors map the file (copy on write) instead of being read into memory, so a
+    rank that keeps a slice of each pays for that slice (the rest is page cache, shared by the
+    ranks of a node and given back under pressure); a file in torch's legacy format is read."""
     try:
+        if mmap:
+            with contextlib.suppress(RuntimeError):  # not torch's zip format: read it whole
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # pickle.UnpicklingError, RuntimeError from the zip reader, ...
         raise UsageError(
@@ -135,7 +141,9 @@ def torch_load(path: str):
 
 
 def read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """A safetensors file's tensors, on the CPU; a one-line UsageError when it is not one."""
+    """A safetensors file's tensors, on the CPU, mapping the file (safetensors reads a page when
+    it is touched: a rank that keeps a slice pays for that slice); a one-line UsageError when it
+    is not one."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -329,7 +337,7 @@ def read(path: str) -> dict:
     }
     if not is_sharded(path):
         payload["model"] = read_safetensors(os.path.join(path, "model.safetensors"))
-        payload["optimizer"] = torch_load(os.path.join(path, "optimizer.pt"))
+        payload["optimizer"] = torch_load(os.path.join(path, "optimizer.pt"), mmap=True)
     check_payload(payload)
     return payload
 

@@ -104,7 +104,7 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         state = store.read_safetensors(path)
     else:
-        state = store.torch_load(path)
+        state = store.torch_load(path, mmap=True)
         for key in ("model", "state_dict", "model_state_dict"):  # common wrappers
             if isinstance(state, dict) and isinstance(state.get(key), dict):
                 state = state[key]
