@@ -37,7 +37,7 @@ LAYERS = [
     "checkpoint.resume lora",
     "checkpoint.manager",
     "run",
-    "guards finetune",
+    "guards finetune plan",  # plan: each rank's memory before launch
     "loop dryrun",
     "train",
     "script cli",

@@ -22,7 +22,7 @@ EXIT_CODES = """exit codes:
 NEWEST = "\0newest"
 """--resume without RUN_DIR (argparse's const: not a path anyone can type)."""
 
-COMMANDS = ("train", "eval", "export", "doctor", "config", "report", "data", "diagnose")
+COMMANDS = ("train", "eval", "export", "doctor", "config", "plan", "report", "data", "diagnose")
 """The subcommands (trainer-launch runs `train` under torchrun and the others once)."""
 
 
@@ -64,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_command(sub)
     _add_doctor_command(sub)
     _add_config_command(sub)
+    _add_plan_command(sub)
     _add_report_command(sub)
     _add_data_command(sub)
     _add_diagnose_command(sub)
@@ -159,6 +160,22 @@ def _add_config_command(sub) -> None:
     )
     _add_config_args(p)
     p.set_defaults(func=_cmd_config)
+
+
+def _add_plan_command(sub) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="each rank's memory before launch: parameters, gradients, optimizer, activations",
+        description="Each rank's memory for the config's mesh, precision and optimizer, without "
+        "starting processes or allocating the model (the model on the meta device, laid out "
+        "over a fake process group): parameters, gradients and optimizer state exactly, "
+        "activations of one micro-batch with and without activation checkpointing, and the "
+        "expected peak (docs/training.md, 'When the model does not fit').",
+    )
+    p.add_argument("--world-size", type=int, default=1, metavar="N", help="ranks (default 1)")
+    p.add_argument("--json", action="store_true", help="the plan as JSON, a record per rank")
+    _add_config_args(p)
+    p.set_defaults(func=_cmd_plan)
 
 
 def _add_report_command(sub) -> None:
@@ -353,6 +370,25 @@ def _cmd_config(args) -> int:
         config.check_world_size(cfg, world_size)
         config.resolve_strategy(cfg, world_size)
         print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
+    return ExitCode.OK
+
+
+def _cmd_plan(args) -> int:
+    import dataclasses
+    import json
+
+    from trainer import config
+    from trainer.plan import plan, table
+
+    if args.world_size < 1:
+        raise UsageError(f"--world-size {args.world_size}: must be >= 1 (the ranks in the job)")
+    cfg = config.load(args.config, args.overrides)
+    config.check_world_size(cfg, args.world_size)
+    plans = plan(cfg, args.world_size)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(p) | {"peak_bytes": p.peak_bytes} for p in plans]))
+    else:
+        print(table(plans))
     return ExitCode.OK
 
 

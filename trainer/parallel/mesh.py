@@ -82,7 +82,7 @@ class Mesh:
         here = ", ".join(
             f"{d} {getattr(self, d + '_rank')}" for d in DIMS if getattr(self.layout, d) > 1
         )
-        return f"{self.layout} (rank {self.rank}: {here})"
+        return f"{self.layout} (rank {self.rank}{': ' + here if here else ''})"
 
 
 def build(world: World, dims: ParallelDims) -> Mesh:
