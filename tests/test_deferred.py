@@ -137,3 +137,28 @@ def test_runs_that_split_the_model_build_it_deferred(tmp_path):
         record = json.loads((run / "run.json").read_text())
         assert record["model_build"] == built, (strategy, record["model_build"])
     assert os.path.exists(tmp_path / "fsdp" / "final" / "model.safetensors")
+
+
+def test_trainer_plan_lays_each_rank_out_without_storage():
+    """`trainer plan` at pp=2: a row per rank, the stages' parameters adding up to the whole
+    model's (the tied head counted on both, as each stage holds a copy); a world size the mesh
+    does not fit is one line, exit 2."""
+    import subprocess
+    import sys
+
+    from tests.helpers import ROOT, env
+
+    cmd = [sys.executable, "-m", "trainer", "plan", "--config", "stdlib-gpt", "--json"]
+    p = subprocess.run([*cmd, "--world-size=2", "dist.mesh=pp=2"], capture_output=True,
+                       text=True, env=env(), cwd=ROOT, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    plans = json.loads(p.stdout)
+    assert [r["rank"] for r in plans] == [0, 1]
+    with torch.device("meta"):
+        whole = GPT(256, 64, 2, 128, 4)
+    total = sum(t.numel() * 4 for t in whole.parameters()) + whole.tok.weight.numel() * 4
+    assert sum(r["param_bytes"] for r in plans) == total
+    assert all(r["peak_bytes"] > r["fixed_bytes"] + r["param_bytes"] for r in plans)
+    bad = subprocess.run([*cmd, "--world-size=3", "dist.mesh=pp=2"], capture_output=True,
+                         text=True, env=env(), cwd=ROOT, timeout=300)  # fmt: skip
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr

@@ -637,3 +637,34 @@ def compose_env():
         return dict(compose_config(*profiles)["services"][service].get("environment") or {})
 
     return get
+
+
+def test_a_rank_the_oom_killer_ended_is_named_in_one_line(tmp_path):
+    """trainer-launch reads its memory cgroup's OOM kill count (v2 memory.events, v1
+    memory.oom_control) before and after torchrun: a kill in between is the node's one line,
+    naming the rank torchrun's report gives (exitcode -9), the limit and the fix."""
+    from trainer.launch import oom
+
+    v2 = tmp_path / "v2"
+    (v2 / "pod").mkdir(parents=True)
+    (v2 / "pod" / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    (v2 / "pod" / "memory.max").write_text(str(3 << 30))
+    (tmp_path / "cg2").write_text("0::/pod\n")
+    v1 = tmp_path / "v1" / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 2\n")
+    (v1 / "memory.limit_in_bytes").write_text(str(1 << 30))
+    (tmp_path / "cg1").write_text("12:memory:/job\n3:cpu,cpuacct:/job\n")
+    after2 = oom.memory(v2, tmp_path / "cg2")
+    after1 = oom.memory(tmp_path / "v1", tmp_path / "cg1")
+    assert after2 == oom.Memory(1, 3 << 30) and after1 == oom.Memory(2, 1 << 30)
+    assert oom.memory(tmp_path / "none", tmp_path / "cg2") is None
+    report = [
+        b"Root Cause (first observed failure):\n", b"[0]:\n", b"  rank      : 3 (local_rank: 1)\n",
+        b"  exitcode  : -9 (pid: 4242)\n", b"  traceback : Signal 9 (SIGKILL) received by PID\n",
+    ]  # fmt: skip
+    assert oom.killed_rank(report) == 3
+    line = oom.line(oom.Memory(0, None), after2, 3, "2")
+    assert line.startswith("trainer: error: rank 3 was killed by the out-of-memory killer")
+    assert "3.0 GiB for 2 rank(s)" in line and "trainer plan" in line and "\n" not in line
+    assert oom.line(after2, after2, 3, "2") is None  # no kill in between: no line

@@ -197,3 +197,27 @@ def test_trainer_plan_gives_each_ranks_bytes_and_its_peak(tmp_path, layout, npro
         print(f"{layout} rank {plan['rank']}: planned {plan['peak_bytes'] >> 20} MiB, "
               f"measured {real['peak_rss_bytes'] >> 20} MiB ({100 * off:+.0f}%)")  # fmt: skip
         assert abs(off) <= PLAN_TOLERANCE, (plan, real)
+
+
+def test_trainer_launch_names_a_rank_the_oom_killer_ended(tmp_path):
+    """trainer-launch and its two ranks in one cgroup (a container's) too small for the 226M
+    GPT under FSDP: the node ends with one line naming the rank the OOM killer ended and the
+    limit, exit 2, not torchrun's bare `exitcode: -9`."""
+    import subprocess
+
+    from tests.helpers import BIN, ROOT, env
+
+    if why := memcap.available():
+        pytest.skip(why)
+    with memcap.cgroups(1, 1536 << 20) as (cgroup,):
+        p = subprocess.run(
+            [str(BIN / "trainer-launch"), "train", *RUN, *SIZE, "dist.strategy=fsdp",
+             f"run_dir={tmp_path / 'run'}"],
+            env=env(NPROC_PER_NODE="2", NNODES="1", NODE_RANK="0"), cwd=ROOT,
+            capture_output=True, text=True, timeout=600,
+            preexec_fn=lambda: memcap._join(cgroup),
+        )  # fmt: skip
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2, p.stderr[-3000:]
+    assert "was killed by the out-of-memory killer" in lines[-1], p.stderr[-3000:]
+    assert "1.5 GiB for 2 rank(s)" in lines[-1] and "Traceback" not in p.stderr

@@ -20,6 +20,7 @@ LAYERS = [
     "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params "
     "deferred",
     "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
+    "launch.oom",
     "config.rules config.load config.explain diagnostics.nccl",
     "config diagnostics",  # the packages that re-export their modules
     "repro optim models tasks data ranks parallel.dims",  # dims: the layout, described once

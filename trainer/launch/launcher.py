@@ -17,6 +17,7 @@ them to the workers.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import re
@@ -427,6 +428,7 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
     import tempfile
 
     from trainer.exitstatus import node_message
+    from trainer.launch import oom
 
     if signals.last is not None:  # stopped before anything started
         return 128 + signals.last
@@ -438,6 +440,7 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
 
     env.setdefault(STABLE_ENV, "1")  # no run_dir: runs/<name>, so a restarted pod resumes
     out = StderrFilter(sys.stderr)
+    memory, seen = oom.memory(), collections.deque(maxlen=400)  # torchrun's last words
     try:
         # A session of its own: a terminal's Ctrl-C reaches torchrun once (from us), not twice.
         # Not under Slurm, which signals the step's processes itself (all of them, or with
@@ -453,11 +456,14 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
             signals.child.send_signal(signals.last)
         assert signals.child.stderr is not None
         for raw in iter(signals.child.stderr.readline, b""):
+            seen.append(raw)
             out.feed(raw)
         out.close()
         rc = signals.child.wait()
         code = exit_code(rc, status_dir, signals.last)
         line = node_message(status_dir, code) if rc != 0 else None
+        if rc != 0 and not signals.last and (killed := _oom_line(plan, memory, seen)):
+            line, code = killed, ExitCode.USAGE  # the cause; the peers' lines are its effects
         if line is None and rc != 0 and out.rendezvous and plan.rendezvous and not signals.last:
             line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
         out.finish(line)
@@ -465,6 +471,14 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
     finally:
         out.finish(None)
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _oom_line(plan: Plan, before, seen) -> str | None:
+    """The node's line when the OOM killer ended a rank while torchrun ran (launch/oom.py)."""
+    from trainer.launch import oom
+
+    per = [a.split("=", 1)[1] for a in plan.argv if a.startswith("--nproc-per-node=")]
+    return oom.line(before, oom.memory(), oom.killed_rank(list(seen)), per[0] if per else "?")
 
 
 RENDEZVOUS_FAILURE = re.compile(
