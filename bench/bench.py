@@ -1232,6 +1232,7 @@ def main(argv: list[str] | None = None) -> int:
             "parallel",
             "invariant",
             "loader",
+            "memory",
         ),
         default="auto",
         help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes); "
@@ -1241,7 +1242,9 @@ def main(argv: list[str] | None = None) -> int:
         "pipeline bubble and throughput of pp=2, tp=2 and dp=2 against world 1 (bench/parallel.py); "
         "invariant: world_invariant against plain, the MLP with 8 and 2 shards and the small GPT, "
         "at 1 and 2 processes; loader: the "
-        "image-folder loader against a bare torchvision ImageFolder + DataLoader (bench/loader.py)",
+        "image-folder loader against a bare torchvision ImageFolder + DataLoader (bench/loader.py); "
+        "memory: peak memory a rank under fsdp, pp and tp against world 1, and a deferred build's "
+        "time (bench/memory.py)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")
@@ -1282,6 +1285,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--quick"] if args.quick else []
         extra += ["--note", args.note] if args.note else []
         return loader.main(["--out", args.out, "--reps", str(args.reps), *extra])
+    if args.suite == "memory":  # its own runs: bench/memory.py
+        import memory
+
+        extra = ["--quick"] if args.quick else []
+        extra += ["--note", args.note] if args.note else []
+        return memory.main(["--out", args.out, *extra])
     if args.row and args.suite != "auto":  # a mistyped name must not write an empty result
         names = {r.name for r in SUITES[args.suite][0]()}
         if unknown := [n for n in args.row if n not in names]:

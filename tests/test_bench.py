@@ -341,3 +341,19 @@ def test_a_window_pair_is_a_trainer_window_over_the_bare_window_after_it():
     rows = [r for r in bench.cpu_rows() if r.kind == "interleaved"]
     assert [r.name for r in rows] == list(bench.INTERLEAVED) and {r.unit for r in rows} == {"x"}
     assert {name for name, _, den, _ in bench.CPU_RATIOS if den is None} == set(bench.INTERLEAVED)
+
+
+@pytest.mark.long  # ten small runs, 1 to 4 ranks: ~1 min
+def test_the_memory_suite_end_to_end_quick(tmp_path):
+    """bench/memory.py at tiny sizes: every layout's peak split into fixed and model parts, the
+    deferred build timed, the JSON and the PNG written."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "memory", "--quick"]
+    p = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads((tmp_path / "memory-tiny-cpu.json").read_text())
+    assert [r["layout"] for r in report["rows"]] == [
+        "world 1", "fsdp dp=2", "fsdp dp=4", "pp=2", "tp=2",
+    ]  # fmt: skip
+    assert all(r["fixed_bytes"] > 0 and len(r["per_rank"]) == r["ranks"] for r in report["rows"])
+    assert set(report["build"]) == {"whole_s", "deferred_build_s", "deferred_materialized_s"}
+    assert (tmp_path / "memory-tiny-cpu.png").stat().st_size > 0

@@ -162,3 +162,22 @@ def test_trainer_plan_lays_each_rank_out_without_storage():
     bad = subprocess.run([*cmd, "--world-size=3", "dist.mesh=pp=2"], capture_output=True,
                          text=True, env=env(), cwd=ROOT, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr
+
+
+def test_a_model_handed_over_built_under_a_split_layout_says_a_factory_avoids_the_copy(
+    tmp_path, capsys
+):
+    """trainer.fit(model=<a module>) under fsdp: trained as it is (whole on every rank), and
+    one note line says to hand it the factory instead."""
+    import trainer
+
+    args = ["model.gpt.layers=2", "model.gpt.width=16", "model.gpt.heads=2", "train.max_steps=1"]
+    args += ["data.text.seq_len=16", "data.text.max_train_bytes=4000", "log.progress=none"]
+    args += ["data.text.max_test_bytes=1024", "log.tensorboard=false", "dist.strategy=fsdp"]
+    torch.manual_seed(0)
+    built = GPT(256, 16, 2, 16, 2)
+    trainer.fit("stdlib-gpt", [*args, f"run_dir={tmp_path / 'run'}"], model=built)
+    out = capsys.readouterr().out
+    assert "note: trainer.fit was handed a model already built" in out, out
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["model_build"] == "whole"

@@ -96,6 +96,13 @@ def test_a_model_bigger_than_a_ranks_limit_trains_with_one_process_losses(
         assert got == want
     else:
         assert max(abs(got[s] - want[s]) for s in got) <= 1e-5, (got, want)
+    # `trainer export` of its (sharded) checkpoint streams tensor by tensor: under the same
+    # limit less half a copy of the weights.
+    out = tmp_path / "export"
+    argv = ["export", str(run / "checkpoints" / "step-000000002"), "-o", str(out)]
+    (exported,) = memcap.run(argv, 1, limit - int(0.5 * _weights_bytes()))
+    assert exported.code == 0 and not exported.oom_killed, exported.stderr[-2000:]
+    assert (out / "model.safetensors").stat().st_size > _weights_bytes()
 
 
 VICTIM = textwrap.dedent(

@@ -53,8 +53,17 @@ def check(run: Run) -> dict:
         f"checkpoint {ck['bytes'] / 2**20:.1f} MiB saved, verified and loaded in "
         f"{ck['seconds']:.2f} s\n"
         f"{metrics.memory_line(report['memory']) if world.is_main else ''}"
+        f"{_plan_hint(run) if world.is_main else ''}"
     )
     return report
+
+
+def _plan_hint(run: Run) -> str:
+    """Where the same numbers come from before launch."""
+    return (
+        f"\n(measured; `trainer plan --world-size {run.world.size}` with this config gives them "
+        "before launch, activations and the peak included)"
+    )
 
 
 def _readers(run: Run) -> str:

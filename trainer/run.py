@@ -219,6 +219,8 @@ def build(
     )
     if note := apply.note(parts, mesh, world):
         log.info(note)
+    if later is None and isinstance(plugins.model, torch.nn.Module) and _splits(dims):
+        log.info(BUILT_WHOLE)
     state = Parts(
         model=ModelState(parts, step.optimizer, mesh, numbering),
         schedule=ScheduleState(step.scheduler, step.scaler),
@@ -257,12 +259,24 @@ def data_and_task(cfg: Config, device: str, plugins: Plugins) -> tuple:
     return spec, tasks.build(cfg.task, spec, source=plugins.task)
 
 
+def _splits(dims: ParallelDims) -> bool:
+    """Whether no rank is to hold the whole model (FSDP's shards, tp, pipeline stages)."""
+    return dims.wraps == "fsdp" or dims.layout.model_parallel
+
+
 def _defers(cfg: Config, dims: ParallelDims, plugins: Plugins) -> bool:
-    """Whether the model is built without storage (trainer/deferred.py): where no rank is to
-    hold it whole (FSDP's shards, tp, pipeline stages). Not for LoRA (its base weights load into
-    the built model) nor a model trainer.fit was handed already built."""
-    split = dims.wraps == "fsdp" or dims.layout.model_parallel
-    return split and not cfg.optim.lora_targets and not isinstance(plugins.model, torch.nn.Module)
+    """Whether the model is built without storage (trainer/deferred.py): where the layout
+    splits it. Not for LoRA (its base weights load into the built model) nor a model
+    trainer.fit was handed already built."""
+    built = isinstance(plugins.model, torch.nn.Module)
+    return _splits(dims) and not cfg.optim.lora_targets and not built
+
+
+BUILT_WHOLE = (
+    "note: trainer.fit was handed a model already built, so every rank holds it whole before "
+    "the layout cuts it: hand it the model's factory instead and no rank ever does "
+    "(docs/extending.md, 'Deferred construction')"
+)
 
 
 def _built(cfg: Config, spec, plugins: Plugins, device: str, defer: bool = False) -> tuple:

@@ -216,6 +216,26 @@ def read_model(folder: str) -> dict[str, torch.Tensor]:
     return {key.removeprefix("model."): value for key, value in state.items()}
 
 
+def model_layout(folder: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The whole model's names, shapes and dtypes in a sharded checkpoint, from its metadata."""
+    metadata = read_metadata(os.path.join(folder, SHARDED_DIR))
+    return {
+        key.removeprefix("model."): (tuple(m.size), m.properties.dtype)
+        for key, m in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(m, TensorStorageMetadata)
+    }
+
+
+def iter_model(folder: str):
+    """(name, its whole tensor) for each of the model's tensors in a sharded checkpoint, one at
+    a time, in this one process: an export never holds more than one."""
+    path = os.path.join(folder, SHARDED_DIR)
+    for name, (shape, dtype) in model_layout(folder).items():
+        state = {f"model.{name}": torch.empty(shape, dtype=dtype)}
+        _load(state, path, no_dist=True)
+        yield name, state[f"model.{name}"]
+
+
 def read_local_model(template: dict[str, torch.Tensor], folder: str) -> dict[str, torch.Tensor]:
     """This rank's part of the weights stored in a sharded checkpoint, laid out as `template`
     (the live model's state in DCP's form), on the CPU (a collective): what the dry run

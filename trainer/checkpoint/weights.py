@@ -47,15 +47,19 @@ def save_streamed(directory: str, layout: dict, tensors, metadata: dict | None =
     """`directory/model.safetensors` written atomically from `tensors` ((name, tensor) in
     `layout`'s order: {name: (shape, dtype)}), one at a time (streamed.py)."""
     with store.atomic_dir(directory) as tmp:
-        writer = StreamWriter(os.path.join(tmp, "model.safetensors"), layout, metadata)
-        try:
-            for name, tensor in tensors:
-                writer.write(name, tensor)
-            writer.close()
-        except BaseException:
-            writer.abort()
-            raise
+        _stream(os.path.join(tmp, "model.safetensors"), layout, tensors, metadata)
     return os.path.join(directory, "model.safetensors")
+
+
+def _stream(path: str, layout: dict, tensors, metadata: dict | None) -> None:
+    writer = StreamWriter(path, layout, metadata)
+    try:
+        for name, tensor in tensors:
+            writer.write(name, tensor)
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _checkpoint_at(folder: str) -> str | None:
@@ -246,6 +250,8 @@ def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) ->
             else os.path.splitext(src)[0] + "-export"
         )
     _check_out(out)  # before reading: a bad -o fails at once
+    if fmt == "plain" and merged is None and (sharded := _sharded_checkpoint(src)):
+        return _export_streamed(sharded, out, find_config(src))
     state = merged() if merged else read_weights(src)
     config = find_config(src)
     hf_config = _hf_gpt2(state, config) if fmt == "hf-gpt2" else None
@@ -261,6 +267,37 @@ def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) ->
             if hf_config:
                 with open(os.path.join(tmp, "config.json"), "w") as f:
                     json.dump(hf_config, f, indent=2)
+            if config:
+                shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
+    except OSError as e:
+        raise io_error(e, f"export -o {out}", "name a directory on writable storage") from None
+    return os.path.join(out, "model.safetensors")
+
+
+def _sharded_checkpoint(src: str) -> str | None:
+    """The sharded checkpoint `src` is or holds (its newest valid one), else None."""
+    if not os.path.isdir(src):
+        return None
+    checkpoint = _checkpoint_at(src)
+    return checkpoint if checkpoint is not None and store.is_sharded(checkpoint) else None
+
+
+def _export_streamed(checkpoint: str, out: str, config: str | None) -> str:
+    """A sharded checkpoint's model exported tensor by tensor (no whole copy in memory); a
+    tensor holding NaN/inf stops it, and nothing is written."""
+    from trainer.checkpoint import sharded
+
+    def finite(tensors):
+        for name, t in tensors:
+            if t.is_floating_point() and not bool(t.isfinite().all()):
+                raise UsageError(f"{checkpoint}: {non_finite_text([name])}")
+            yield name, t
+
+    layout = sharded.model_layout(checkpoint)
+    try:
+        with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
+            tensors = finite(sharded.iter_model(checkpoint))
+            _stream(os.path.join(tmp, "model.safetensors"), layout, tensors, {"format": "pt"})
             if config:
                 shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
     except OSError as e:
