@@ -117,9 +117,9 @@ def test_a_factory_that_reads_tensor_values_is_one_line():
             self.w = nn.Parameter(torch.randn(3))
             self.n = int(self.w.abs().sum().item() > 0)  # a value, not a shape
 
-    with pytest.raises(UsageError, match="cannot be built without storage") as e:
+    with pytest.raises(deferred.CannotDefer, match="cannot be built without storage") as e:
         deferred.build(Reads)
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and isinstance(e.value, UsageError)
 
 
 def test_runs_that_split_the_model_build_it_deferred(tmp_path):
@@ -181,3 +181,33 @@ def test_a_model_handed_over_built_under_a_split_layout_says_a_factory_avoids_th
     assert "note: trainer.fit was handed a model already built" in out, out
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["model_build"] == "whole"
+
+
+def _reads_values(in_shape, num_classes, **kwargs):
+    """A factory whose model reads a value while it builds (a norm, here)."""
+    from trainer.gpt import gpt
+
+    model = gpt(in_shape, num_classes, layers=2, width=16, heads=2)
+    model.scale = float(model.tok.weight.norm())  # a value: needs storage
+    return model
+
+
+def test_a_model_that_cannot_be_deferred_is_built_whole_and_says_so(tmp_path, capsys):
+    """Under fsdp a factory reading values trains anyway, built whole on every rank, with the
+    initial weights a plain build gives (the generators restored), and one note line."""
+    import trainer
+    from tests.helpers import train_losses
+
+    args = ["model.gpt.layers=2", "model.gpt.width=16", "model.gpt.heads=2", "train.max_steps=2"]
+    args += ["data.text.seq_len=16", "data.text.max_train_bytes=4000", "log.progress=none"]
+    args += ["data.text.max_test_bytes=1024", "log.tensorboard=false", "log.every_steps=1"]
+    trainer.fit("stdlib-gpt", [*args, f"run_dir={tmp_path / 'one'}"], model=_reads_values)
+    trainer.fit(
+        "stdlib-gpt", [*args, "dist.strategy=fsdp", f"run_dir={tmp_path / 'fsdp'}"],
+        model=_reads_values,
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "note: the model cannot be built without storage" in out, out
+    assert json.loads((tmp_path / "fsdp" / "run.json").read_text())["model_build"] == "whole"
+    one, fsdp = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    assert one[1] == fsdp[1]  # the same initial weights: the same first loss

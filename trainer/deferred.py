@@ -282,9 +282,14 @@ def _fill(t: torch.Tensor, full: torch.Tensor) -> None:
         t.copy_(full)
 
 
+class CannotDefer(UsageError):
+    """A factory that needs tensor values to build (the run builds the model whole instead)."""
+
+
 def build(factory, *args, **kwargs) -> tuple[nn.Module, Deferred]:
     """`factory(*args, **kwargs)` built on the meta device: (the model, how to give its tensors
-    their initial values). One line for a factory that needs tensor values to build."""
+    their initial values). CannotDefer, in one line, for a factory that needs tensor values to
+    build."""
     recorder = _Recorder()
     return_freed_memory()
     try:
@@ -293,10 +298,10 @@ def build(factory, *args, **kwargs) -> tuple[nn.Module, Deferred]:
     except (NotImplementedError, RuntimeError) as e:
         if "meta" not in str(e).lower() and "data-dependent" not in str(e).lower():
             raise
-        raise UsageError(
+        raise CannotDefer(
             f"the model cannot be built without storage (its constructor reads tensor values: "
-            f"{str(e).splitlines()[0][:160]}); a split layout then builds it whole on every "
-            "rank: make the constructor shape-only (docs/extending.md, 'Deferred construction')"
+            f"{str(e).splitlines()[0][:160]}): every rank builds it whole; make the constructor "
+            "shape-only and no rank will (docs/extending.md, 'Deferred construction')"
         ) from None
     tensors = {
         name: t

@@ -200,7 +200,7 @@ def build(
     start): the Run, complete."""
     mesh, plugins = meshes.build(world, dims), plugins or Plugins()  # a DeviceMesh if split
     spec, task = data_and_task(cfg, world.device, plugins)
-    model, later = _built(cfg, spec, plugins, world.device, defer=_defers(cfg, dims, plugins))
+    model, later, whole_why = _built(cfg, spec, plugins, world.device, _defers(cfg, dims, plugins))
     flops, peak = _flops(cfg, world, spec, task, model)
     model = lora.prepare(cfg.optim, model, cfg.ckpt)  # what trains
     per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
@@ -221,6 +221,8 @@ def build(
         log.info(note)
     if later is None and isinstance(plugins.model, torch.nn.Module) and _splits(dims):
         log.info(BUILT_WHOLE)
+    if whole_why:
+        log.info(f"note: {whole_why}")
     state = Parts(
         model=ModelState(parts, step.optimizer, mesh, numbering),
         schedule=ScheduleState(step.scheduler, step.scaler),
@@ -249,7 +251,7 @@ def inputs(cfg: Config, device: str, plugins: Plugins) -> tuple:
     after the same seed on every rank and every world size (the same initial weights), batches
     and model on `device`. What `trainer eval` and `trainer export --merge` start from."""
     spec, task = data_and_task(cfg, device, plugins)
-    return spec, task, _built(cfg, spec, plugins, device)[0]
+    return spec, task, _built(cfg, spec, plugins, device, defer=False)[0]
 
 
 def data_and_task(cfg: Config, device: str, plugins: Plugins) -> tuple:
@@ -279,12 +281,19 @@ BUILT_WHOLE = (
 )
 
 
-def _built(cfg: Config, spec, plugins: Plugins, device: str, defer: bool = False) -> tuple:
-    """(the model on `device`, None), or with `defer` (the model on the meta device, the
-    Deferred that gives a part of it its storage and one process's initial values)."""
+def _built(cfg: Config, spec, plugins: Plugins, device: str, defer: bool) -> tuple:
+    """(the model on `device`, None, None), or with `defer` (the model on the meta device, the
+    Deferred that gives a part of it its storage and one process's initial values, None). A
+    model that cannot be built deferred is built whole: (it, None, why)."""
+    why = None
     if defer:
-        return deferred.build(_model, cfg, spec, plugins.model)
-    return _model(cfg, spec, plugins.model).to(device), None
+        state = torch.get_rng_state()
+        try:
+            return (*deferred.build(_model, cfg, spec, plugins.model), None)
+        except deferred.CannotDefer as e:
+            why = str(e)
+            torch.set_rng_state(state)  # the whole build draws what the deferred one began to
+    return _model(cfg, spec, plugins.model).to(device), None, why
 
 
 def _flops(cfg: Config, world: World, spec, task: Task, model) -> tuple:
