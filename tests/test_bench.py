@@ -357,3 +357,15 @@ def test_the_memory_suite_end_to_end_quick(tmp_path):
     assert all(r["fixed_bytes"] > 0 and len(r["per_rank"]) == r["ranks"] for r in report["rows"])
     assert set(report["build"]) == {"whole_s", "deferred_build_s", "deferred_materialized_s"}
     assert (tmp_path / "memory-tiny-cpu.png").stat().st_size > 0
+
+
+def test_the_docs_quote_the_committed_memory_results():
+    report = json.loads((ROOT / "bench" / "results" / "memory-cpu.json").read_text())
+    quoted = _quoted("### Memory a rank, measured here")
+    mib = lambda b: f"{b / 2**20:,.0f}"  # noqa: E731
+    for r in report["rows"]:
+        held = max(m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"] for m in r["per_rank"])
+        want = [str(r["ranks"]), mib(held), mib(r["peak_bytes"]), mib(r["fixed_bytes"])]
+        want += [mib(r["model_bytes"]), f"{r['model_part_vs_world_1']:.2f}"]
+        assert quoted[r["layout"]] == want, r["layout"]
+    assert len(report["rows"]) == 5
