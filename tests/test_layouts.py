@@ -143,28 +143,22 @@ def test_a_whole_checkpoint_loads_a_parameter_without_state_and_a_plug_ins_own_e
     from trainer import namedstate
     from trainer.parallel.parts import whole
 
+    def groups(m):
+        return [
+            {"params": [m.used.weight, m.unused.weight]},
+            {"params": [m.used.bias, m.unused.bias]},
+        ]
+
     torch.manual_seed(0)
     model = _Unused()
-    opt = make(
-        [
-            {"params": [model.used.weight, model.unused.weight]},
-            {"params": [model.used.bias, model.unused.bias]},
-        ],
-        lr=0.1,
-    )
+    opt = make(groups(model), lr=0.1)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
     saved = namedstate.whole(whole(model), opt)
     assert set(saved["optimizer"]["state"]) <= {"used.weight", "used.bias"}
     torch.manual_seed(1)
     again = _Unused()
-    other = make(
-        [
-            {"params": [again.used.weight, again.unused.weight]},
-            {"params": [again.used.bias, again.unused.bias]},
-        ],
-        lr=0.1,
-    )
+    other = make(groups(again), lr=0.1)
     namedstate.load_whole(whole(again), other, saved, sharded=False)
     assert all(
         torch.equal(a, b)

@@ -156,11 +156,14 @@ def test_sync_bn_on_cpu_is_a_one_line_usage_error_and_world_1_leaves_bn_alone():
     net = build(ModelConfig(name="resnet18"), (3, 8, 8), 10)
     cfg = config.load(None, ["model.sync_bn=true"])
     one = describe(cfg, 1)
-    assert one.name == "none" and strategy.wrap(net, one, World()) is net
+    assert (
+        one.name == "none"
+        and strategy.replicate(strategy.shard(net, one, World()), one, World()) is net
+    )
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in net.modules())
     two = World(rank=0, size=2, local_size=2, master_addr="x", master_port=1)
     ddp = describe(cfg, 2)
     with pytest.raises(
         UsageError, match="model.sync_bn=true needs CUDA devices.*model.sync_bn=false"
     ):
-        strategy.wrap(net, ddp, two)
+        strategy.replicate(net, ddp, two)

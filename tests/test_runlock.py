@@ -140,6 +140,21 @@ def _contender(run_dir, start, done, results, seed, slow=True) -> None:
         lock.release()
 
 
+def _race(ctx, contender, run_dir, seed: int) -> list[str]:
+    """Four contenders for `run_dir` started at once: their outcomes, sorted."""
+    start, done, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
+    jobs = [
+        ctx.Process(target=contender, args=(run_dir, start, done, results, seed + i))
+        for i in range(4)
+    ]
+    for j in jobs:
+        j.start()
+    outcomes = sorted(results.get(timeout=30) for _ in jobs)
+    for j in jobs:
+        j.join(timeout=30)
+    return outcomes
+
+
 @pytest.mark.parametrize("left_behind", [False, True], ids=["empty folder", "a dead job's lock"])
 def test_of_jobs_racing_for_a_folder_exactly_one_wins_every_time(tmp_path, left_behind):
     """Four jobs start at once on one folder (empty, or holding a dead job's lock) on storage
@@ -156,16 +171,7 @@ def test_of_jobs_racing_for_a_folder_exactly_one_wins_every_time(tmp_path, left_
         run_dir = tmp_path / f"run{round_}"
         if left_behind:
             _leave(run_dir, _holder(pid=dead.pid, process_start="1"))
-        start, done, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
-        jobs = [
-            ctx.Process(target=_contender, args=(run_dir, start, done, results, 4 * round_ + i))
-            for i in range(4)
-        ]
-        for j in jobs:
-            j.start()
-        outcomes = sorted(results.get(timeout=30) for _ in jobs)
-        for j in jobs:
-            j.join(timeout=30)
+        outcomes = _race(ctx, _contender, run_dir, 4 * round_)
         assert outcomes == ["refused", "refused", "refused", "won"], (round_, outcomes)
         left = sorted(os.listdir(run_dir)) if run_dir.exists() else []
         assert left == [], (round_, left)  # no lock, tombstone or temporary file left
@@ -201,17 +207,7 @@ def test_storage_without_hard_links_gets_an_exclusive_create_and_a_rename_takeov
 
     ctx = multiprocessing.get_context("fork")
     for round_ in range(10):
-        run_dir = tmp_path / f"run{round_}"
-        start, done, results = ctx.Barrier(4), ctx.Barrier(4), ctx.Queue()
-        jobs = [
-            ctx.Process(target=_contender_without_links, args=(run_dir, start, done, results, i))
-            for i in range(4)
-        ]
-        for j in jobs:
-            j.start()
-        outcomes = sorted(results.get(timeout=30) for _ in jobs)
-        for j in jobs:
-            j.join(timeout=30)
+        outcomes = _race(ctx, _contender_without_links, tmp_path / f"run{round_}", 0)
         assert outcomes == ["refused", "refused", "refused", "won"], (round_, outcomes)
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()

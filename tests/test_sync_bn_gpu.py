@@ -47,7 +47,7 @@ def _train(rank: int, world: int, port: int, sync_bn: bool, out: str) -> None:
     torch.manual_seed(0)
     model = build(ModelConfig(name="vgg11"), (3, 8, 8), 4).cuda()
     cfg = config.load(None, [f"model.sync_bn={str(sync_bn).lower()}"])
-    model = strategy.wrap(model, describe(cfg, world, on_cuda=True), me)
+    model = strategy.replicate(model, describe(cfg, world, on_cuda=True), me)
     synced = sum(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1)

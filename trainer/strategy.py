@@ -1,10 +1,11 @@
 """How the dp dimension holds each model part: none | ddp | fsdp | dp, as plain functions of the
-run's ParallelDims (trainer/parallel/dims.py). `wrap` wraps a part for training (trainer/parallel/
-apply.py calls it in its fixed order), `no_sync_for` gives the context that turns off the gradient
-sync for all micro-steps but the last, `step_split` reads DDP's own timings. How a checkpoint holds
-the weights is the checkpointer's decision, from the state itself (trainer/state.py: DTensor
-shards or not). `unwrap` gives the user's module back; a state dict never carries
-`module.`/`_orig_mod.`.
+run's ParallelDims (trainer/parallel/dims.py). `shard` (FSDP) and `replicate` (DDP,
+nn.DataParallel) wrap a part for training, the part's storage given between them
+(trainer/parallel/apply.py calls them in its fixed order); `no_sync_for` gives the context that
+turns off the gradient sync for all micro-steps but the last; `step_split` reads DDP's own
+timings. How a checkpoint holds the weights is the checkpointer's decision, from the state itself
+(trainer/state.py: DTensor shards or not). `unwrap` gives the user's module back; a state dict
+never carries `module.`/`_orig_mod.`.
 """
 
 from __future__ import annotations
@@ -22,18 +23,6 @@ from trainer.errors import ConfigError, UsageError
 if TYPE_CHECKING:
     from trainer.parallel.dims import ParallelDims
     from trainer.ranks import World
-
-
-def wrap(
-    model: nn.Module,
-    dims: ParallelDims,
-    world: World,
-    dp_mesh=None,
-    ignored: Collection[nn.Parameter] = (),
-) -> nn.Module:
-    """`model` wrapped as dims.wraps says, over `dp_mesh` (the mesh's dp dimension; None: the
-    whole world): `replicate(shard(...))`."""
-    return replicate(shard(model, dims, world, dp_mesh, ignored), dims, world, dp_mesh)
 
 
 def shard(
