@@ -81,7 +81,8 @@ def pytest_collection_modifyitems(config, items):
         "mesh",
         "long",
         "memory",
-    ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh, test-long
+        "s3",
+    ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh, test-long, ...
         if not re.search(rf"(?<!not )\b{marker}\b", expr):
             chosen = [item for item in items if item.get_closest_marker(marker)]
             if chosen:

@@ -15,7 +15,8 @@ LAYERS = [
     "trainer checkpoint datasets errors batch sampler results signals noise startup metrics "
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
     "checkpoint.writer tracking.sender",
-    "tracking.mlflow_rest parallel parallel.layout parallel.styles parallel.split",
+    "tracking.mlflow_rest parallel parallel.layout parallel.styles parallel.split storage "
+    "checkpoint.files",
     "tracking.wandb_sink",
     "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params "
     "deferred",
@@ -31,6 +32,7 @@ LAYERS = [
     "parallel.clip namedstate",  # namedstate: saved state keyed by name, every layout
     "state step parallel.apply",  # the Stateful parts; one optimizer step; parallelize
     "parallel.pipeline",
+    "checkpoint.bucket",  # the format in a bucket (s3://)
     "checkpoint.store",  # the on-disk format
     "checkpoint.sharded checkpoint.streamed",
     "checkpoint.weights",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
 
+from trainer import storage
 from trainer.errors import ExitCode, TrainerError, UsageError, shorten
 from trainer.exitstatus import record_exit, report
 
@@ -264,6 +266,8 @@ def _resume_config(args):
     if args.from_run:
         raise UsageError("use --resume or --from RUN_DIR, not both")
     run_dir = args.resume
+    if storage.is_url(run_dir):
+        return _resume_from_bucket(args, run_dir)
     if run_dir != NEWEST and "=" in run_dir and not os.path.isdir(run_dir):
         args.overrides = [run_dir, *args.overrides]  # `--resume key=value`: argparse took it
         run_dir = NEWEST
@@ -282,6 +286,36 @@ def _resume_config(args):
 
     if _is_rank0() and not store.list_checkpoints(checkpoint_dir(cfg)):
         print(f"note: --resume {run_dir}: no checkpoint there yet, so it trains from step 0")
+    return cfg
+
+
+def _resume_from_bucket(args, url: str):
+    """`--resume s3://bucket/prefix`: the config saved in its newest checkpoint that verifies
+    (the bucket alone: a new pod's empty disk), key=value on top, checkpoints in that prefix."""
+    import hashlib
+    import tempfile
+
+    from trainer import config
+    from trainer.checkpoint import bucket, store
+
+    storage.check_path("--resume", url)
+    newest = store.latest_in(url)
+    if newest is None:
+        raise UsageError(
+            f"--resume {url}: no checkpoint there (or in its checkpoints/) verifies: name the "
+            "prefix a run's ckpt.dir was"
+        )
+    entry = bucket.verify(newest)["config.yaml"]
+    text = storage.get_bytes(storage.join(newest, "config.yaml"))
+    if hashlib.sha256(text).hexdigest() != entry["sha256"]:
+        raise UsageError(f"--resume {url}: {newest}/config.yaml does not match its sha256")
+    root = newest.rsplit("/", 1)[0]
+    with tempfile.TemporaryDirectory(prefix="trainer-resume-") as folder:
+        with open(os.path.join(folder, "config.yaml"), "wb") as f:
+            f.write(text)
+        cfg = config.load(args.config or folder, [*args.overrides, f"ckpt.dir={root}"])
+    if cfg.ckpt.resume == "never":
+        raise UsageError("--resume with ckpt.resume=never: drop one of them")
     return cfg
 
 
@@ -317,7 +351,8 @@ def _cmd_eval(args) -> int:
     from trainer.run import evaluate_saved
 
     startup.settle()  # torch imported: the collector back on for the evaluation itself
-    result = evaluate_saved(_config_for(args.src, args), args.src)
+    with _local(args.src) as src:
+        result = evaluate_saved(_config_for(src, args), src)
     if _is_rank0():
         print(json.dumps(result))
     return ExitCode.OK
@@ -328,15 +363,34 @@ def _cmd_export(args) -> int:
     from trainer.checkpoint.weights import export
 
     startup.settle()
-    merged = None
-    if args.merge:
-        from trainer import finetune
+    storage.check_path("export -o", args.out, buckets=False)
+    out = args.out
+    if out is None and storage.is_url(args.src):  # beside the command, not in the local copy
+        out = f"{storage.basename(args.src)}-export"
+    with _local(args.src) as src:
+        merged = None
+        if args.merge:
+            from trainer import finetune
 
-        def merged():
-            return finetune.merged_weights(args.src)
+            def merged():
+                return finetune.merged_weights(src)
 
-    print(f"exported {export(args.src, args.out, args.format, merged)}")
+        print(f"exported {export(src, out, args.format, merged)}")
     return ExitCode.OK
+
+
+@contextlib.contextmanager
+def _local(src: str):
+    """`src` itself, or what an s3:// URL names copied to local disk for the block (a checkpoint
+    verified against its manifest, or one object)."""
+    storage.check_path("source", src)
+    if not storage.is_url(src):
+        yield src
+        return
+    from trainer.checkpoint import store
+
+    with store.fetched(src) as local:
+        yield local
 
 
 def _cmd_doctor(args) -> int:

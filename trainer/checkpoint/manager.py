@@ -26,8 +26,8 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer import metrics, ranks, repro
-from trainer.checkpoint import store
+from trainer import metrics, ranks, repro, storage
+from trainer.checkpoint import bucket, store
 from trainer.checkpoint.resume import Resume, choose_resume, decide, resume_line, schedule_line
 from trainer.checkpoint.weights import non_finite_text
 from trainer.checkpoint.writer import BackgroundWriter, timed
@@ -51,7 +51,10 @@ if TYPE_CHECKING:
 
 def checkpoint_dir(cfg: Config) -> str:
     """ckpt.dir, defaulting to <run_dir>/checkpoints (kept unresolved in the config, so a re-run
-    under another run_dir never resumes from the original run's checkpoints)."""
+    under another run_dir never resumes from the original run's checkpoints); a bucket's URL
+    (s3://bucket/prefix) as it is."""
+    if storage.is_url(cfg.ckpt.dir):
+        return cfg.ckpt.dir.rstrip("/")
     return os.path.abspath(cfg.ckpt.dir or os.path.join(cfg.run_dir, "checkpoints"))
 
 
@@ -60,6 +63,10 @@ class CheckpointWriteError(RetryableError):
 
 
 WRITABLE_FIX = "point ckpt.dir (default <run_dir>/checkpoints) at writable storage"
+BUCKET_FIX = (
+    "check the bucket's name and the key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+    "AWS_ENDPOINT_URL for an S3-compatible server; docs/training.md, 'Checkpoints in a bucket')"
+)
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,8 @@ class Checkpointer:
         self._writer = BackgroundWriter()
         self._stager = None
         """Sharded background saves: host buffers for the shards, reused from save to save."""
+        self._resumed: str | None = None
+        """The checkpoint this run segment resumed from: retention never deletes it."""
 
     # --- what the loop asks ------------------------------------------------------------------
 
@@ -176,6 +185,7 @@ class Checkpointer:
                 resumed, problem = None, first_line(e)
             problem = ranks.first_of_ranks(problem)  # the ranks agree before anyone trains on
             if problem is None:
+                self._resumed = choice
                 return resumed
             if store.is_step_dir(self.cfg.ckpt.resume):
                 raise ConfigError(
@@ -193,7 +203,17 @@ class Checkpointer:
         ranks.main_decides(self._probe)
 
     def _probe(self) -> None:
-        """Rank 0: create ckpt.dir and a file in it, then remove what the probe made."""
+        """Rank 0: create ckpt.dir and a file in it, then remove what the probe made (in a
+        bucket: put and delete an object, which proves the bucket, the key and its rights)."""
+        if storage.is_url(self.root):
+            try:
+                storage.probe(self.root)
+            except OSError as e:
+                error = io_error(e, f"ckpt.dir {self.root} is not writable", BUCKET_FIX)
+                raise (ConfigError if isinstance(error, UsageError) else CheckpointWriteError)(
+                    str(error)
+                ) from None
+            return
         created = []  # the folders the probe makes, removed again: it leaves nothing behind
         folder = self.root
         while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
@@ -215,17 +235,22 @@ class Checkpointer:
                     os.rmdir(folder)
 
     def _load(self, path: str) -> Resume:
-        """Load the checkpoint at `path` into the parts (a collective under fsdp)."""
-        if not os.path.isdir(path):
+        """Load the checkpoint at `path` into the parts (a collective under fsdp); one in a
+        bucket from a verified local copy (every rank makes its own)."""
+        with store.readable(path) as local:
+            return self._load_from(path, local)
+
+    def _load_from(self, path: str, local: str) -> Resume:
+        if not os.path.isdir(local):
             raise UsageError(
                 f"rank {self.world.rank} on {repro.hostname()} cannot see checkpoint {path}: "
                 "ckpt.dir must be on storage every node mounts (a shared volume / RWX PVC)"
             )
-        payload = store.read(path)  # raises CorruptCheckpoint for contents that do not fit
+        payload = store.read(local)  # raises CorruptCheckpoint for contents that do not fit
         bitwise = self.cfg.repro.world_invariant
         kernels = repro.kernel_set(self.world.device) if bitwise else {}
         resume = decide(path, payload, to_dict(self.cfg), kernels, bitwise)
-        self._load_parts(path, payload)
+        self._load_parts(local, payload)
         loop = self.parts.loop
         loop.load_state_dict(resume.loop)
         self.parts.results.load_state_dict(resume.results)
@@ -280,7 +305,7 @@ class Checkpointer:
             self._writer.step = step  # every rank: each learns the outcome at the next wait
         else:
             if self.world.is_main:
-                store.prune(self.root, self.cfg.ckpt.keep_last)
+                store.prune(self.root, self.cfg.ckpt.keep_last, self._resumed)
             self._on_disk = step
         took = time.perf_counter() - started
         record = {"kind": "checkpoint", "step": step, "reason": str(reason), "seconds": took}
@@ -361,7 +386,7 @@ class Checkpointer:
 
         def job() -> None:
             write()
-            store.prune(self.root, self.cfg.ckpt.keep_last)
+            store.prune(self.root, self.cfg.ckpt.keep_last, self._resumed)
 
         self._writer.start(timed(job, lambda e: self._failure(self.root, step, e)))
 
@@ -375,12 +400,13 @@ class Checkpointer:
         common = self._common(reason, rngs, "whole")
         if not background:
             return store.write(root, step, model=model, optimizer=optimizer, **common)
+        path = store.new_checkpoint(root, step)
         job = functools.partial(
-            store.write, root, step, model=model, optimizer=host_copy(optimizer),
+            store.write, root, step, model=model, optimizer=host_copy(optimizer), path=path,
             **host_copy(common),
         )  # fmt: skip
         self._in_background(step, job)
-        return store.step_dir(root, step)
+        return path
 
     def _write_sharded(self, root: str, reason: Reason, rngs, background: bool) -> str | None:
         """Every rank writes its shards into one temporary directory (rank 0 names it), which
@@ -390,24 +416,34 @@ class Checkpointer:
         from trainer.checkpoint import sharded
 
         step = self.parts.loop.step
-        path = store.step_dir(root, step)
-        # With its errno: a read-only ckpt.dir is not worth a retry.
-        tmp = ranks.main_decides(store.begin, path, catch=(OSError,))
+        remote = storage.is_url(root)
+        if remote:  # every rank writes its shards to a local folder and uploads them from there
+            path = ranks.broadcast_object(store.new_checkpoint(root, step))
+            tmp = bucket.staging(path)
+        else:
+            path = store.step_dir(root, step)
+            # With its errno: a read-only ckpt.dir is not worth a retry.
+            tmp = ranks.main_decides(store.begin, path, catch=(OSError,))
+        upload = path if remote else None
         try:
             common = self._common(reason, rngs, "sharded") if self.world.is_main else None
             state = self.parts.model.state_dict()
             if background:
-                return self._shards_in_background(state, tmp, path, common)
-            sharded.save(state, tmp)  # any rank's failure: all raise
+                return self._shards_in_background(state, tmp, path, common, upload)
+            sharded.save(state, tmp, upload)  # any rank's failure: all raise
             if self.world.is_main:
                 _seal(None, tmp, path, common)
+            elif remote:
+                store.abort(tmp)
         except BaseException:
-            if self.world.is_main:
+            if self.world.is_main or remote:
                 store.abort(tmp)
             raise
         return path if self.world.is_main else None
 
-    def _shards_in_background(self, state: dict, tmp: str, path: str, common) -> str | None:
+    def _shards_in_background(
+        self, state: dict, tmp: str, path: str, common, upload: str | None
+    ) -> str | None:
         """Every rank's shards copied to host memory and written on DCP's thread; rank 0's writer
         thread seals the folder once all have landed."""
         from trainer.checkpoint import sharded
@@ -415,8 +451,10 @@ class Checkpointer:
         if self._stager is None:
             self._stager = sharded.HostCopy()
         step = self.parts.loop.step
-        written = sharded.save_in_background(state, tmp, ranks.writer_group(), self._stager)
+        written = sharded.save_in_background(state, tmp, ranks.writer_group(), self._stager, upload)
         if not self.world.is_main:
+            if upload:  # this rank's local copy of its shards goes once they are uploaded
+                written.add_done_callback(lambda _: store.abort(tmp))
             self._writer.start(None, shards=written)
             return None
         self._in_background(step, functools.partial(_seal, written, tmp, path, host_copy(common)))
@@ -462,19 +500,26 @@ class Checkpointer:
         rank reads it back (which proves the storage is shared), then it is removed. A failure
         is one UsageError on every rank."""
         scratch = ranks.broadcast_object(
-            os.path.join(self.root, f".dry-run-{uuid.uuid4().hex[:8]}")
+            storage.join(self.root, f"{bucket.DRY_RUN}{uuid.uuid4().hex[:8]}")
         )
+        remote = storage.is_url(scratch)
         started = time.perf_counter()
         path = self.write(scratch, DRY_RUN)
         try:
             first = self._agree(lambda: store.verify(path))  # per rank: no collective inside
             if not first:
                 first = self._agree(lambda: self._holds_live_weights(path))
-            files = [] if first else store.files_under(path)
-            size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+            if first:
+                size = 0
+            elif remote:
+                size = sum(item.size for item in storage.listing(path))
+            else:
+                size = sum(os.path.getsize(os.path.join(path, f)) for f in store.files_under(path))
         finally:
             ranks.gather_objects(None)  # every rank is done reading before the delete
-            if self.world.is_main:
+            if self.world.is_main and remote:
+                bucket.delete_prefix(scratch)
+            elif self.world.is_main:
                 shutil.rmtree(scratch, ignore_errors=True)
                 with contextlib.suppress(OSError):  # leave no empty checkpoints folder behind
                     os.rmdir(self.root)
@@ -497,12 +542,13 @@ class Checkpointer:
         import torch
 
         model = self.parts.model
-        if store.is_sharded(path):
-            from trainer.checkpoint import sharded
+        with store.readable(path) as local:
+            if store.is_sharded(local):
+                from trainer.checkpoint import sharded
 
-            saved = sharded.read_local_model(model.state_dict()["model"], path)
-        else:
-            saved = store.read(path)["model"]
+                saved = sharded.read_local_model(model.state_dict()["model"], local)
+            else:
+                saved = store.read(local)["model"]
         for name, tensor in model.local_weights().items():
             if not torch.equal(saved[name], tensor):
                 raise UsageError(f"the round trip changed {name}")
@@ -516,6 +562,11 @@ def _seal(written, tmp: str, path: str, common: dict) -> None:
     try:
         if written is not None:
             written.result()  # ShardWriteError when any rank could not write
+        if storage.is_url(path):
+            store.seal(tmp, **common)
+            bucket.publish(tmp, path, sharded.shard_files(tmp))  # every rank's shards there
+            store.abort(tmp)  # the local copy
+            return
         missing = sharded.missing_shards(tmp)
         if missing:
             raise OSError(

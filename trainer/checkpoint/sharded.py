@@ -110,21 +110,52 @@ class ShardWriteError(Exception):
     which the checkpointer's recovery from a failed save would not catch)."""
 
 
-def _save_args(state: dict, folder: str) -> dict:
+class UploadingWriter(dcp.FileSystemWriter):
+    """DCP's file writer that, once this rank's shard files are written to its local folder,
+    uploads each to `url`/dcp/ (its sha256 in the object's metadata) before reporting them
+    written: DCP's coordinator finishes only after every rank's shards are in the bucket, and a
+    rank's failed upload is that rank's failure in DCP's CheckpointException."""
+
+    def __init__(self, path: str, url: str, **kwargs) -> None:
+        super().__init__(path, **kwargs)
+        self._local, self._url = path, url
+
+    def write_data(self, plan, planner):
+        from trainer import storage
+
+        written = super().write_data(plan, planner)
+        results = written.wait()
+        for name in sorted({r.storage_data.relative_path for r in results}):
+            local = os.path.join(self._local, name)
+            storage.put_file(
+                local, storage.join(self._url, SHARDED_DIR, name), storage.sha256_file(local)
+            )
+        return written
+
+
+def _save_args(state: dict, folder: str, upload: str | None = None) -> dict:
     """What dcp.save and dcp.async_save take: this rank's shards (`state`: ModelState.state_dict's
-    {"model", "optim"}), the writer into folder/dcp, and a planner that writes replicated tensors
-    (BatchNorm statistics) from the lowest rank."""
+    {"model", "optim"}), the writer into folder/dcp (and from there to the bucket prefix
+    `upload`), and a planner that writes replicated tensors (BatchNorm statistics) from the
+    lowest rank."""
+    path = os.path.join(folder, SHARDED_DIR)
+    writer = (
+        UploadingWriter(path, upload, sync_files=False)
+        if upload
+        else dcp.FileSystemWriter(path, sync_files=True)
+    )
     return {
         "state_dict": state,
-        "storage_writer": dcp.FileSystemWriter(os.path.join(folder, SHARDED_DIR), sync_files=True),
+        "storage_writer": writer,
         "planner": DefaultSavePlanner(dedup_save_to_lowest_rank=True),
     }
 
 
-def save(state: dict, folder: str) -> None:
-    """Every rank writes its shards of `state` into folder/dcp (a collective)."""
+def save(state: dict, folder: str, upload: str | None = None) -> None:
+    """Every rank writes its shards of `state` into folder/dcp (a collective); `upload`: a
+    bucket prefix each rank uploads its shard files to."""
     try:
-        dcp.save(**_save_args(state, folder))
+        dcp.save(**_save_args(state, folder, upload))
     except CheckpointException as e:
         raise ShardWriteError(describe_error(e)) from None
 
@@ -155,7 +186,7 @@ class HostCopy:
         pass
 
 
-def save_in_background(state: dict, folder: str, group, stager=None):
+def save_in_background(state: dict, folder: str, group, stager=None, upload: str | None = None):
     """Start save() in the background (a collective): every rank copies its shards to host
     memory now (with `stager`, a HostCopy, into its buffers) and writes them on DCP's thread,
     whose plan and metadata exchange run on `group`.
@@ -163,7 +194,7 @@ def save_in_background(state: dict, folder: str, group, stager=None):
     from concurrent.futures import Future
 
     upload = dcp.async_save(
-        **_save_args(state, folder),
+        **_save_args(state, folder, upload),
         process_group=group,
         async_stager=stager,  # None: the writer's own (fresh host buffers every save)
     )
@@ -184,13 +215,17 @@ def save_in_background(state: dict, folder: str, group, stager=None):
     return done
 
 
+def shard_files(folder: str) -> list[str]:
+    """The shard files the metadata in folder/dcp names (relative to it)."""
+    metadata = read_metadata(os.path.join(folder, SHARDED_DIR))
+    return sorted({info.relative_path for info in metadata.storage_data.values()})
+
+
 def missing_shards(folder: str) -> list[str]:
     """Shard files the metadata names that are not in folder/dcp: another node wrote them to
     storage this one cannot see."""
     path = os.path.join(folder, SHARDED_DIR)
-    metadata = read_metadata(path)
-    names = {info.relative_path for info in metadata.storage_data.values()}
-    return sorted(n for n in names if not os.path.isfile(os.path.join(path, n)))
+    return [n for n in shard_files(folder) if not os.path.isfile(os.path.join(path, n))]
 
 
 def load(state: dict, folder: str) -> None:

@@ -31,21 +31,20 @@ from collections.abc import Callable
 
 import torch
 
+from trainer import storage
+from trainer.checkpoint.files import (  # noqa: F401  (the format's names, re-exported)
+    COMMON,
+    FILES,
+    MANIFEST,
+    SHARDED_DIR,
+    SHARDED_METADATA,
+    STEP_DIR,
+    WHOLE,
+    CorruptCheckpoint,
+    files_under,
+)
 from trainer.errors import UsageError, first_line
 from trainer.state import LOOP_KEYS
-
-MANIFEST = "MANIFEST.sha256"
-COMMON = ("state.pt", "meta.json", "config.yaml")
-WHOLE = ("model.safetensors", "optimizer.pt")
-SHARDED_DIR = "dcp"
-SHARDED_METADATA = f"{SHARDED_DIR}/.metadata"
-FILES = (*WHOLE, *COMMON)
-"""The files of a whole checkpoint."""
-STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-class CorruptCheckpoint(Exception):
-    """A checkpoint that fails verification (missing, truncated or altered files)."""
 
 
 def _fsync_dir(path: str) -> None:
@@ -55,15 +54,6 @@ def _fsync_dir(path: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def files_under(folder: str) -> list[str]:
-    """Every file below `folder`, as sorted '/'-separated relative paths."""
-    found = []
-    for here, _dirs, files in os.walk(folder):
-        for name in files:
-            found.append(os.path.relpath(os.path.join(here, name), folder).replace(os.sep, "/"))
-    return sorted(found)
 
 
 def begin(path: str) -> str:
@@ -203,8 +193,26 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:09d}")
 
 
+def new_checkpoint(root: str, step: int) -> str:
+    """Where the checkpoint of `step` goes: step-N in a folder; in a bucket a fresh prefix (an
+    object store cannot replace a folder in one rename: bucket.py)."""
+    if storage.is_url(root):
+        from trainer.checkpoint import bucket
+
+        return bucket.new_name(root, step)
+    return step_dir(root, step)
+
+
+def _bucket():
+    from trainer.checkpoint import bucket
+
+    return bucket
+
+
 def is_step_dir(path: str) -> bool:
     """Whether `path` looks like one checkpoint (a manifest, or a step-N name)."""
+    if storage.is_url(path):
+        return _bucket().is_checkpoint_name(path)
     return os.path.isfile(os.path.join(path, MANIFEST)) or bool(
         STEP_DIR.match(os.path.basename(os.path.normpath(path)))
     )
@@ -212,6 +220,8 @@ def is_step_dir(path: str) -> bool:
 
 def list_checkpoints(root: str) -> list[tuple[int, str]]:
     """(step, path) of every finished checkpoint directory, newest first."""
+    if storage.is_url(root):
+        return _bucket().list_checkpoints(root)
     try:
         names = os.listdir(root)
     except OSError:
@@ -231,6 +241,9 @@ def is_sharded(path: str) -> bool:
 
 def verify(path: str) -> None:
     """Raise CorruptCheckpoint unless every file matches the manifest and none is missing."""
+    if storage.is_url(path):
+        _bucket().verify(path)
+        return
     manifest = os.path.join(path, MANIFEST)
     try:
         with open(manifest, encoding="utf-8") as f:
@@ -274,7 +287,7 @@ def latest_valid(root: str, warn: Callable[[str], None] | None = None, skip=()) 
 def latest_in(folder: str, warn: Callable[[str], None] | None = None, skip=()) -> str | None:
     """The newest valid checkpoint in a checkpoints folder or in a run directory's checkpoints/."""
     return latest_valid(folder, warn, skip) or latest_valid(
-        os.path.join(folder, "checkpoints"), warn, skip
+        storage.join(folder, "checkpoints"), warn, skip
     )
 
 
@@ -287,17 +300,71 @@ def write(
     extra: dict,
     meta: dict,
     config_yaml: str,
+    path: str | None = None,
 ) -> str:
-    """Write a complete whole checkpoint for `step` atomically; returns its directory.
+    """Write a complete whole checkpoint for `step` atomically (at `path`, else where
+    new_checkpoint says); returns its directory.
 
-    `model` is a plain state_dict of CPU tensors (what safetensors stores).
+    `model` is a plain state_dict of CPU tensors (what safetensors stores). In a bucket: written
+    to a local folder, then uploaded and sealed (bucket.publish).
     """
-    path = step_dir(root, step)
+    path = path or new_checkpoint(root, step)
+    if storage.is_url(root):
+        tmp = _bucket().staging(path)
+        try:
+            _write_whole(tmp, model, optimizer, extra=extra, meta=meta, config_yaml=config_yaml)
+            return _bucket().publish(tmp, path)
+        finally:
+            abort(tmp)
     with atomic_dir(path) as tmp:
-        save_safetensors(model, os.path.join(tmp, "model.safetensors"))
-        _torch_save(optimizer, os.path.join(tmp, "optimizer.pt"))
-        seal(tmp, extra=extra, meta=meta, config_yaml=config_yaml)
+        _write_whole(tmp, model, optimizer, extra=extra, meta=meta, config_yaml=config_yaml)
     return path
+
+
+def _write_whole(tmp: str, model, optimizer, **common) -> None:
+    save_safetensors(model, os.path.join(tmp, "model.safetensors"))
+    _torch_save(optimizer, os.path.join(tmp, "optimizer.pt"))
+    seal(tmp, **common)
+
+
+@contextlib.contextmanager
+def readable(path: str):
+    """`path` itself, or for a checkpoint in a bucket a verified local copy (bucket.local_copy)
+    for the block's duration."""
+    if storage.is_url(path):
+        with _bucket().local_copy(path) as local:
+            yield local
+    else:
+        yield path
+
+
+@contextlib.contextmanager
+def fetched(url: str):
+    """What a bucket URL names, copied to local disk for the block: a checkpoint (its prefix),
+    the newest valid checkpoint under a run's prefix (or its checkpoints/), or one object (a
+    weights file). A one-line UsageError when it names none of them."""
+    import tempfile
+
+    target = url if is_step_dir(url) else latest_in(url)
+    if target is not None:
+        try:
+            with readable(target) as local:
+                yield local
+            return
+        except CorruptCheckpoint as e:
+            raise UsageError(f"{target}: corrupt checkpoint ({e}): pick another") from None
+    if not storage.exists(url):
+        raise UsageError(
+            f"{url}: no checkpoint (step-N.xxxxxxxx prefix with a manifest) and no object there: "
+            "name a run's checkpoint prefix, one checkpoint, or a weights object"
+        )
+    folder = tempfile.mkdtemp(prefix="trainer-object-")
+    try:
+        local = os.path.join(folder, storage.basename(url))
+        storage.get_file(url, local)
+        yield local
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def seal(tmp: str, *, extra: dict, meta: dict, config_yaml: str) -> None:
@@ -436,10 +503,15 @@ def check_payload(payload: dict) -> None:
             )
 
 
-def prune(root: str, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` checkpoints."""
+def prune(root: str, keep_last: int, protect: str | None = None) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints (never `protect`: the one this run
+    resumed from, until the run ends)."""
+    if storage.is_url(root):
+        return _bucket().prune(root, keep_last, protect)
     removed = []
     for _, path in list_checkpoints(root)[keep_last:]:
+        if path == protect:
+            continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
     return removed
@@ -450,7 +522,11 @@ def remove_stale_temporaries(root: str) -> None:
 
     `.step-N.tmp-*` never became a checkpoint: delete it. `.step-N.old-*` is a complete one that
     was being replaced: put it back if the replacement never landed, else delete it.
+    In a bucket: unfinished multipart uploads are aborted and unsealed prefixes deleted.
     """
+    if storage.is_url(root):
+        _bucket().sweep(root)
+        return
     try:
         names = os.listdir(root)
     except OSError:

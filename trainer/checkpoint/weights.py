@@ -14,7 +14,7 @@ import shutil
 import torch
 from torch import nn
 
-from trainer import hf
+from trainer import hf, storage
 from trainer.checkpoint import store
 from trainer.checkpoint.streamed import StreamWriter
 from trainer.errors import UsageError, io_error
@@ -80,6 +80,9 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     Tensors come back on the CPU whatever device saved them; load_state_dict then copies them
     to wherever the model lives (a GPU checkpoint loads on CPU or on another GPU index).
     """
+    if storage.is_url(path):  # s3://: a verified local copy, read as any local one
+        with store.fetched(path) as local:
+            return read_weights(local)
     if path.endswith(".index.json") and os.path.isfile(path):
         return _finite(_read_files(hf.index_files(path)), path)
     if os.path.isdir(path):

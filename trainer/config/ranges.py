@@ -120,6 +120,8 @@ PATHS = frozenset(
 )
 """String fields that become file or folder paths (name: runs go to runs/<name>/):
 checked against what every Linux file system refuses, so `config check` says what `train` would."""
+BUCKET_PATHS = frozenset({"ckpt.dir", "ckpt.resume", "ckpt.init_weights"})
+"""The PATHS that may also be an s3:// URL (storage.py); a URL in any other is refused."""
 
 NAME_MAX = 255
 """Bytes in one file or folder name (ext4, xfs, overlayfs, NFS)."""

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.config.ranges import NONEMPTY, PATHS, RANGES, path_problem
+from trainer import storage
+from trainer.config.ranges import BUCKET_PATHS, NONEMPTY, PATHS, RANGES, path_problem
 from trainer.errors import ConfigError, UsageError, check_choice, shorten
 from trainer.parallel.layout import SCHEDULES
 
@@ -684,6 +685,8 @@ def check_fields(obj: Any, prefix: str) -> None:
         key, value = f.key, f.value
         if isinstance(value, str) and key in NONEMPTY and not value.strip():
             raise UsageError(f"{key}: must not be empty; e.g. {example(key)}")
+        if isinstance(value, str) and key in PATHS and key != "name":
+            storage.check_path(key, value, buckets=key in BUCKET_PATHS)
         if isinstance(value, str) and key in PATHS and (problem := path_problem(value)):
             what = "the run's folder name (runs/<name>/)" if key == "name" else "a path"
             raise UsageError(f"{key}: {what} {problem}")
