@@ -182,3 +182,75 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class SlowDownProxy:
+    """An HTTP proxy on loopback in front of the server that answers every `every`-th request
+    with 503 SlowDown (S3's throttling reply) instead of passing it on: what a busy bucket does.
+    Host headers pass unchanged, so the client's signatures still verify."""
+
+    BODY = (
+        b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+        b"<Message>Please reduce your request rate.</Message></Error>"
+    )
+
+    def __init__(self, target_port: int, every: int = 3) -> None:
+        import http.client
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        proxy = self
+        self.every, self.count, self.throttled = every, 0, 0
+        self._lock = threading.Lock()
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def handle(self) -> None:
+                with contextlib.suppress(ConnectionError):  # a client that hung up
+                    super().handle()
+
+            def _any(self) -> None:
+                size = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(size) if size else b""
+                with proxy._lock:
+                    proxy.count += 1
+                    throttle = proxy.count % proxy.every == 0
+                    proxy.throttled += throttle
+                if throttle:
+                    self.send_response(503)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(proxy.BODY)))
+                    self.end_headers()
+                    if self.command != "HEAD":  # a HEAD reply has no body
+                        self.wfile.write(proxy.BODY)
+                    return
+                conn = http.client.HTTPConnection("127.0.0.1", target_port, timeout=60)
+                headers = {k: v for k, v in self.headers.items() if k.lower() != "expect"}
+                conn.request(self.command, self.path, body=body, headers=headers)
+                answer = conn.getresponse()
+                data = answer.read()
+                self.send_response(answer.status)
+                for k, v in answer.getheaders():
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection"):
+                        self.send_header(k, v)
+                length = answer.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", length or str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+                conn.close()
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

@@ -238,3 +238,22 @@ def test_a_short_outage_is_invisible_a_long_one_costs_a_save_and_the_last_save_f
     code, out, folder = outage(30, {"TRAINER_S3_RETRY_S": "3"}, end=True)
     assert code == 4, out
     assert "could not be written" in out
+
+
+def test_throttling_makes_saves_back_off_not_fail(s3, bucket, tmp_path):
+    from tests.s3server import SlowDownProxy
+
+    proxy = SlowDownProxy(s3.ports["s3"], every=3)
+    try:
+        url = f"s3://{bucket}/slow"
+        p = run(
+            s3, *RUN, f"run_dir={tmp_path / 'run'}", f"ckpt.dir={url}",
+            extra={"AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
+        )  # fmt: skip
+    finally:
+        proxy.close()
+    assert "WARNING" not in p.stdout, p.stdout
+    assert proxy.throttled >= 10, proxy.throttled  # one request in three was refused
+    left = prefixes(s3, bucket, "slow")
+    assert sorted(int(name[5:14]) for name in left) == [3, 6, 9, 12]
+    assert all("MANIFEST.json" in names for names in left.values())
