@@ -425,3 +425,19 @@ def test_a_host_runs_the_one_host_service_on_its_network_with_shared_runs(servic
                 "shm_size", "ulimits", "stop_grace_period", "deploy"):  # fmt: skip
         assert s.get(key) == b.get(key), key
     assert mounts["/workspace/data"] == {v["target"]: v for v in b["volumes"]}["/workspace/data"]
+
+
+def test_bucket_keys_come_from_an_optional_env_file_that_git_ignores(tmp_path):
+    """docs/training.md, "Checkpoints in a bucket": the keys reach every training service's
+    environment from s3.env (or S3_ENV_FILE) when it exists, and compose runs without it."""
+    keys = tmp_path / "keys.env"
+    keys.write_text("AWS_ACCESS_KEY_ID=AKTEST\nAWS_SECRET_ACCESS_KEY=not-a-real-secret\n")
+    services = compose_config("cpu", "two-node", S3_ENV_FILE=str(keys))["services"]
+    for name in ("trainer", "cpu", "node0", "node1"):
+        assert services[name]["environment"]["AWS_SECRET_ACCESS_KEY"] == "not-a-real-secret"
+    plain = compose_config("cpu", S3_ENV_FILE=str(tmp_path / "absent.env"))["services"]
+    assert not any(k.startswith("AWS_") for k in plain["cpu"]["environment"])
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", "s3.env"], cwd=ROOT, capture_output=True, check=False
+    )
+    assert ignored.returncode == 0, "s3.env must be in .gitignore: it holds a secret"

@@ -580,6 +580,7 @@ COMPONENT_OVERLAYS = {
     "exclusive": ("cpu-smoke", "gpu", "jobset"),
     "in-place-restart": ("jobset",),
     "tracking": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
+    "bucket": ("cpu-smoke", "gpu", "jobset"),
 }
 """Which overlays each component is written for (its kustomization.yaml says the same)."""
 QUEUE_NAME = "kueue.x-k8s.io/queue-name"  # Kueue's label (its docs: tasks/run/jobs.md, jobsets.md)
@@ -815,3 +816,22 @@ def test_all_components_compose_on_the_jobset_overlay(user_dir):
     assert jobset["spec"]["suspend"] is True and QUEUE_NAME in jobset["metadata"]["labels"]
     assert jobset["spec"]["failurePolicy"]["restartStrategy"] == "InPlaceRestart"
     assert pod_template_spec(jobset)["affinity"]["podAntiAffinity"]
+
+
+@pytest.mark.parametrize("overlay", COMPONENT_OVERLAYS["bucket"])
+def test_bucket_replaces_the_shared_claim_with_a_secret_and_room_for_a_local_copy(
+    overlay, user_dir
+):
+    """docs/kubernetes.md, "No shared disk": no runs claim (no RWX storage needed), each pod's
+    run folder its own volume, /tmp big enough for a checkpoint's local copy, the keys from the
+    trainer-s3 Secret into the environment (never a literal value in the manifests)."""
+    objs = kube.render_with(user_dir, overlay, ["bucket"])
+    assert [o for o in objs if o["kind"] == "PersistentVolumeClaim"] == []
+    for pod in kube.pods(objs):
+        volumes = {v["name"]: v for v in pod.spec["volumes"]}
+        assert set(volumes["runs"]) == {"name", "emptyDir"}
+        assert _memory(volumes["tmp"]["emptyDir"]["sizeLimit"]) >= 50 * 2**30
+        assert pod.container["envFrom"] == [{"secretRef": {"name": "trainer-s3"}}]
+        assert not any(v["name"].startswith("AWS_") for v in pod.container["env"])
+    text = (kube.COMPONENTS_DIR / "bucket" / "kustomization.yaml").read_text()
+    assert "kubectl create secret generic trainer-s3" in text
