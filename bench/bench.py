@@ -5,6 +5,7 @@
     python bench/bench.py --suite cpu --reps 1 --quick --only "trainer, 1"   # machinery check only
     python bench/bench.py --suite cpu --row "trainer, 1 process" --row "bare loop, 1 process"
     python bench/bench.py --suite ckpt           # checkpoint stall per save: background vs blocking
+    python bench/bench.py --suite bucket         # the same to an S3 server vs disk, and restores
     python bench/bench.py --suite sweep          # GPT cost against width (4 sizes), world 1 and 2
     python bench/bench.py --suite headline       # GPT-2-small MFU and more on a GPU (headline.py)
     python bench/bench.py --suite parallel --reps 1   # pp=2, tp=2, FSDP: memory, bubble (parallel.py)
@@ -1233,6 +1234,7 @@ def main(argv: list[str] | None = None) -> int:
             "invariant",
             "loader",
             "memory",
+            "bucket",
         ),
         default="auto",
         help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes); "
@@ -1244,7 +1246,8 @@ def main(argv: list[str] | None = None) -> int:
         "at 1 and 2 processes; loader: the "
         "image-folder loader against a bare torchvision ImageFolder + DataLoader (bench/loader.py); "
         "memory: peak memory a rank under fsdp, pp and tp against world 1, and a deferred build's "
-        "time (bench/memory.py)",
+        "time (bench/memory.py); bucket: checkpoint save, restore and background stall to an S3 "
+        "server on loopback against local disk (bench/bucket.py)",
     )
     parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every row (default 3)")
@@ -1285,6 +1288,12 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--quick"] if args.quick else []
         extra += ["--note", args.note] if args.note else []
         return loader.main(["--out", args.out, "--reps", str(args.reps), *extra])
+    if args.suite == "bucket":  # its own runs and S3 server: bench/bucket.py
+        import bucket
+
+        extra = ["--quick"] if args.quick else []
+        extra += ["--note", args.note] if args.note else []
+        return bucket.main(["--out", args.out, *extra])
     if args.suite == "memory":  # its own runs: bench/memory.py
         import memory
 

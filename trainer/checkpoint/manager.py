@@ -17,6 +17,7 @@ before the process goes on (a signal's, the final one) is written in place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import shutil
@@ -167,15 +168,13 @@ class Checkpointer:
         the next older one is tried. A checkpoint named by path is refused (exit 2).
         """
         self.check_writable()
+        started = time.perf_counter()
         damaged: list[str] = []
         if self.world.is_main:
             store.remove_stale_temporaries(self.root)
         while True:
             # Rank 0 decides for everyone; a mistake is reported once (ConfigError).
-            choice = ranks.main_decides(
-                choose_resume, self.cfg.ckpt.resume, self.root, self.log.info, damaged,
-                error=ConfigError,
-            )  # fmt: skip
+            choice = ranks.main_decides(self._choose, damaged)
             if choice is None:
                 self._on_disk = 0  # step 0 needs no checkpoint: a fresh start remakes it
                 return None
@@ -186,7 +185,8 @@ class Checkpointer:
             problem = ranks.first_of_ranks(problem)  # the ranks agree before anyone trains on
             if problem is None:
                 self._resumed = choice
-                return resumed
+                # The listing, download, verification and load: metrics.jsonl's "restored".
+                return dataclasses.replace(resumed, seconds=time.perf_counter() - started)
             if store.is_step_dir(self.cfg.ckpt.resume):
                 raise ConfigError(
                     f"ckpt.resume={self.cfg.ckpt.resume}: damaged checkpoint ({problem}); "
@@ -196,6 +196,17 @@ class Checkpointer:
                 f"checkpoint {choice} is damaged ({problem}); falling back to an older one"
             )
             damaged.append(choice)
+
+    def _choose(self, damaged: list[str]) -> str | None:
+        """choose_resume on rank 0: a mistake is a ConfigError (exit 2); storage that cannot be
+        listed or read (a bucket's server down: exit 4; a key refused: exit 2) one line too."""
+        try:
+            return choose_resume(self.cfg.ckpt.resume, self.root, self.log.info, damaged)
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
+        except OSError as e:
+            error = io_error(e, f"cannot list the checkpoints in {self.root}", BUCKET_FIX)
+            raise (ConfigError(str(error)) if isinstance(error, UsageError) else error) from None
 
     def check_writable(self) -> None:
         """Fail before any work when ckpt.dir cannot hold checkpoints: exit 2 when the path is
@@ -236,9 +247,31 @@ class Checkpointer:
 
     def _load(self, path: str) -> Resume:
         """Load the checkpoint at `path` into the parts (a collective under fsdp); one in a
-        bucket from a verified local copy (every rank makes its own)."""
-        with store.readable(path) as local:
-            return self._load_from(path, local)
+        bucket from a verified local copy (every rank makes its own, and the ranks agree that
+        every copy verified before any loads: a rank that could not fetch its copy must not
+        leave the others waiting in DCP's collectives)."""
+        if not storage.is_url(path):
+            return self._load_from(path, path)
+        folder = tempfile.mkdtemp(prefix="trainer-checkpoint-")
+        try:
+            problem = None
+            try:
+                bucket.download(path, folder)
+            except store.CorruptCheckpoint as e:
+                problem = ("damaged", first_line(e))
+            except OSError as e:  # storage.BucketError: the server, the key, the network
+                problem = ("unreadable", str(e))
+            problem = ranks.first_of_ranks(problem)
+            if problem and problem[0] == "damaged":
+                raise store.CorruptCheckpoint(problem[1])
+            if problem:
+                raise RetryableError(
+                    f"cannot read checkpoint {path} ({problem[1]}); the run did not start: "
+                    "rerun once the bucket answers"
+                )
+            return self._load_from(path, folder)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def _load_from(self, path: str, local: str) -> Resume:
         if not os.path.isdir(local):

@@ -160,6 +160,8 @@ class Resume:
     """meta.json's results so far (Results.to_dict's shape)."""
     schedule_changes: dict[str, list] = field(default_factory=dict)
     """The schedule-shaping keys the resume changes (SCHEDULE_KEYS): {key: [saved, now]}."""
+    seconds: float = 0.0
+    """How long finding, fetching, verifying and loading the checkpoint took."""
 
     @property
     def step(self) -> int:
