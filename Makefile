@@ -116,7 +116,7 @@ test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp
 test-memory: setup  ## a 226M-parameter GPT trains under FSDP dp=4 and pp=4 with each rank in a memory cgroup below one whole copy of the weights, and a rank holding it whole is killed (root; ~4 min)
 	$(BIN)/pytest -m memory -s tests/test_memory.py $(PYTEST_ARGS)
 
-test-s3: setup  ## checkpoints in a bucket against a real S3 server started on loopback (SeaweedFS from the lock): killed mid-save, outages, throttling, an altered object, a wrong key; the bucket bench, quick (~8 min)
+test-s3: setup  ## checkpoints in a bucket against a real S3 server started on loopback (SeaweedFS from the lock): killed mid-save, outages, throttling, an altered object, a wrong key; the bucket bench, quick (~6 min)
 	$(BIN)/pytest -m s3 tests/test_bucket.py tests/test_bench.py $(PYTEST_ARGS)
 
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
