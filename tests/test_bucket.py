@@ -166,18 +166,30 @@ def test_a_sharded_checkpoint_in_a_bucket_resumes_at_another_world_size_as_from_
 def test_an_object_changed_in_the_bucket_is_refused_and_the_previous_checkpoint_used(
     s3, bucket, tmp_path
 ):
+    """Two ways a stored checkpoint goes bad: an object replaced (its size or ETag no longer
+    the manifest's: caught by the listing), and bytes that do not hash to the manifest's sha256
+    although the listing matches (caught on download, every byte hashed)."""
+    import json
+
     url = f"s3://{bucket}/run"
-    run(s3, *RUN, "train.epochs=2", f"run_dir={tmp_path / 'a'}", f"ckpt.dir={url}")
-    newest = sorted(prefixes(s3, bucket, "run"))[-1]
-    assert newest.startswith("step-000000006.")
+    run(s3, *RUN, "train.epochs=3", f"run_dir={tmp_path / 'a'}", f"ckpt.dir={url}")
+    old, middle, newest = sorted(prefixes(s3, bucket, "run"))
+    assert newest.startswith("step-000000009.") and old.startswith("step-000000003.")
     c = s3.client()
     key = f"run/{newest}/model.safetensors"
     data = bytearray(c.get_object(Bucket=bucket, Key=key)["Body"].read())
     data[-1] ^= 0x01  # one flipped bit, the same size
     c.put_object(Bucket=bucket, Key=key, Body=bytes(data))
-    p = run(s3, *RUN, "train.epochs=3", f"run_dir={tmp_path / 'b'}", f"ckpt.dir={url}")
+    key = f"run/{middle}/MANIFEST.json"
+    manifest = json.loads(c.get_object(Bucket=bucket, Key=key)["Body"].read())
+    manifest["files"]["optimizer.pt"]["sha256"] = "0" * 64  # what the bytes no longer hash to
+    c.put_object(Bucket=bucket, Key=key, Body=json.dumps(manifest).encode())
+    p = run(s3, *RUN, "train.epochs=4", f"run_dir={tmp_path / 'b'}", f"ckpt.dir={url}")
     assert f"checkpoint {url}/{newest} is corrupt (model.safetensors is not the object" in p.stdout
-    assert f"resumed from {url}/step-000000003." in p.stdout
+    assert f"checkpoint {url}/{middle} is damaged (optimizer.pt does not match its sha256" in (
+        p.stdout
+    )
+    assert f"resumed from {url}/{old} " in p.stdout
 
 
 def test_a_wrong_key_or_a_missing_bucket_is_one_line_before_training_and_no_secret_is_written(
@@ -214,11 +226,29 @@ def test_a_wrong_key_or_a_missing_bucket_is_one_line_before_training_and_no_secr
 
     # A good run: neither the secret nor the key id in any file or object it wrote.
     run(s3, *RUN, "train.epochs=1", f"run_dir={tmp_path / 'good'}", f"ckpt.dir=s3://{bucket}/g")
-    blobs = [p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()]
+    # The finished model into the bucket: trainer export s3://RUN -o s3://PREFIX (twice: an
+    # earlier export's objects are replaced), never into a prefix holding anything else.
+    for _ in range(2):
+        p = helpers.trainer(
+            "export", f"s3://{bucket}/g", "-o", f"s3://{bucket}/models/g", extra_env=s3.env
+        )
+        assert f"exported s3://{bucket}/models/g/model.safetensors" in p.stdout
+    assert set(s3.objects(bucket, "models/g/")) == {
+        "models/g/model.safetensors",
+        "models/g/config.yaml",
+    }
+    refused = helpers.trainer(
+        "export", f"s3://{bucket}/g", "-o", f"s3://{bucket}/g", extra_env=s3.env, check=False
+    )
+    assert refused.returncode == 2 and "holds other objects" in refused.stderr
+    from safetensors.torch import load
+
     c = s3.client()
-    blobs += [
-        c.get_object(Bucket=bucket, Key=key)["Body"].read() for key in s3.objects(bucket, "g/")
-    ]
+    exported = load(c.get_object(Bucket=bucket, Key="models/g/model.safetensors")["Body"].read())
+    final = weights(tmp_path / "good")
+    assert exported.keys() == final.keys() and all(exported[k].equal(final[k]) for k in final)
+    blobs = [p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()]
+    blobs += [c.get_object(Bucket=bucket, Key=key)["Body"].read() for key in s3.objects(bucket, "")]
     assert len(blobs) > 10
     for secret in (SECRET_KEY, ACCESS_KEY):
         assert not any(secret.encode() in blob for blob in blobs)

@@ -33,10 +33,10 @@ def test_a_url_a_key_cannot_take_is_refused_in_one_line_never_made_a_local_folde
     assert says in line
 
 
-def test_export_writes_to_a_local_folder_only(tmp_path):
-    p = trainer("export", str(tmp_path), "-o", "s3://bucket/out", check=False)
+def test_export_writes_to_a_local_folder_or_a_bucket_only(tmp_path):
+    p = trainer("export", str(tmp_path), "-o", "gs://bucket/out", check=False)
     assert p.returncode == 2
-    assert "export -o=s3://bucket/out: s3:// is not supported here" in p.stderr
+    assert "export -o=gs://bucket/out: gs:// is not supported here" in p.stderr
 
 
 def test_urls_split_and_join():

@@ -359,15 +359,19 @@ def _cmd_eval(args) -> int:
 
 
 def _cmd_export(args) -> int:
+    import tempfile
+
     from trainer import startup
-    from trainer.checkpoint.weights import export
+    from trainer.checkpoint.weights import check_bucket_out, export, upload_export
 
     startup.settle()
-    storage.check_path("export -o", args.out, buckets=False)
-    out = args.out
+    storage.check_path("export -o", args.out)
+    out, bucket_out = args.out, storage.is_url(args.out)
+    if bucket_out:  # before any work: nothing there it did not write itself
+        check_bucket_out(out)
     if out is None and storage.is_url(args.src):  # beside the command, not in the local copy
         out = f"{storage.basename(args.src)}-export"
-    with _local(args.src) as src:
+    with _local(args.src) as src, tempfile.TemporaryDirectory(prefix="trainer-export-") as tmp:
         merged = None
         if args.merge:
             from trainer import finetune
@@ -375,7 +379,12 @@ def _cmd_export(args) -> int:
             def merged():
                 return finetune.merged_weights(src)
 
-        print(f"exported {export(src, out, args.format, merged)}")
+        written = export(
+            src, os.path.join(tmp, "export") if bucket_out else out, args.format, merged
+        )
+        if bucket_out:
+            written = upload_export(os.path.dirname(written), out)
+        print(f"exported {written}")
     return ExitCode.OK
 
 

@@ -21,7 +21,6 @@ and DCP's own tensor files.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -104,12 +103,7 @@ def atomic_dir(path: str):
         raise
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+_sha256 = storage.sha256_file
 
 
 def torch_load(path: str, mmap: bool = False):
