@@ -578,7 +578,7 @@ def test_after_a_full_disk_the_earlier_checkpoints_and_metrics_are_intact_and_a_
         from trainer.metrics import RunLogger
 
         m.setattr(RunLogger, "open", RunLogger.open)  # undone on leaving the block
-        fill_disk_after(3)  # the resume record (epochs 4 -> 6) and two train records
+        fill_disk_after(4)  # the restored and resume records (epochs 4 -> 6), two train records
         code, out, err = in_process(
             capsys, "train", *TINY, "train.epochs=6", "log.every_steps=1", f"run_dir={run}"
         )
