@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -79,6 +80,16 @@ def killed_mid_save(s3, tmp_path, point: str, step: int, *args, nproc=None):
         proc.wait()
 
 
+def _alive_owner(name: str) -> bool:
+    """Whether the process a local folder (trainer-KIND-PID-...) is named by still runs."""
+    pid = int(name.split("-")[2])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def prefixes(s3, bucket: str, under: str) -> dict[str, set[str]]:
     """{checkpoint prefix name: the names of its objects}."""
     found: dict[str, set[str]] = {}
@@ -121,6 +132,7 @@ def test_a_run_killed_mid_save_resumes_from_the_bucket_alone_bitwise(
     if point == "multipart":
         assert s3.uploads(bucket), "the kill left no multipart upload: the test proves nothing"
 
+    staged = [n for n in os.listdir(tempfile.gettempdir()) if n.startswith("trainer-staging-")]
     # A new pod: an empty local disk, the same bucket (named as the config's ckpt.dir, or as
     # --resume, which reads the config the newest checkpoint holds).
     again = ["--resume", url] if point == "manifest" else [*RUN, f"ckpt.dir={url}"]
@@ -128,6 +140,9 @@ def test_a_run_killed_mid_save_resumes_from_the_bucket_alone_bitwise(
     assert f"resumed from {url}/step-000000003." in p.stdout
     if nproc:
         assert "world size 2 -> 1" in p.stdout
+    # The local copies the killed run was writing from are gone (this node's, its pid dead).
+    left = set(os.listdir(tempfile.gettempdir()))
+    assert staged and not any(n in left for n in staged if not _alive_owner(n)), staged
     assert s3.uploads(bucket) == []
     left = prefixes(s3, bucket, "run")
     assert all("MANIFEST.json" in names for names in left.values()), left
@@ -250,6 +265,21 @@ def test_a_wrong_key_or_a_missing_bucket_is_one_line_before_training_and_no_secr
     blobs = [p.read_bytes() for p in (tmp_path / "good").rglob("*") if p.is_file()]
     blobs += [c.get_object(Bucket=bucket, Key=key)["Body"].read() for key in s3.objects(bucket, "")]
     assert len(blobs) > 10
+    # What a new user trips on: each one line, exit 2, naming the fix.
+    mistakes = [
+        (["train", "--resume", "s3://no-such-bucket-x/run"], {}, "no such bucket"),
+        (["eval", f"s3://{bucket}/nothing-here"], {}, "nothing trainer can read there"),
+        (["train", *RUN, f"ckpt.dir=s3://{bucket}/e"], {"AWS_ENDPOINT_URL": "127.0.0.1:9"},
+         "AWS_ENDPOINT_URL=127.0.0.1:9 is not a URL: write http://HOST:PORT"),
+    ]  # fmt: skip
+    for args, env, says in mistakes:
+        bad = helpers.trainer(*args, extra_env={**s3.env, **env}, check=False)
+        assert bad.returncode == 2, (args, bad.stdout, bad.stderr)
+        [line] = [x for x in bad.stderr.splitlines() if x.strip()]
+        assert says in line, (args, line)
+    # An export's prefix reads like an export's folder (weights and their config).
+    p = helpers.trainer("eval", f"s3://{bucket}/models/g", extra_env=s3.env)
+    assert '"accuracy"' in p.stdout
     for secret in (SECRET_KEY, ACCESS_KEY):
         assert not any(secret.encode() in blob for blob in blobs)
 

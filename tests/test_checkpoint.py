@@ -385,7 +385,13 @@ def test_ckpt_dir_moves_checkpoints_and_resume_never_starts_over(tmp_path, capsy
     assert summary["steps"] == 15 and store.list_checkpoints(str(shared))[0][0] == 15
     # never: from scratch, whatever the folder holds (same config, same numbers as run a)
     summary = _run(tmp_path / "c", f"ckpt.dir={shared}", "ckpt.resume=never")
-    assert "resumed from" not in capsys.readouterr().out and summary["steps"] == 12
+    out = capsys.readouterr().out
+    assert "resumed from" not in out and summary["steps"] == 12
+    # said, never silent: the earlier run's checkpoints stay beside this one's
+    assert (
+        f"ckpt.resume=never: {shared} holds 5 checkpoint(s) of an earlier run (newest: step 15)"
+        in out
+    )
     a, c = (load_file(str(tmp_path / r / "final" / "model.safetensors")) for r in "ac")
     assert all(torch.equal(a[k], c[k]) for k in a)
 

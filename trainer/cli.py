@@ -109,7 +109,9 @@ def _add_train_command(sub) -> None:
 
 def _add_eval_command(sub) -> None:
     p = sub.add_parser("eval", help="evaluate saved weights on the test split")
-    p.add_argument("src", help="a run directory, checkpoint directory or weights file")
+    p.add_argument(
+        "src", help="a run directory, checkpoint directory or weights file, or an s3:// URL of one"
+    )
     _add_config_args(p)
     p.set_defaults(func=_cmd_eval)
 
@@ -117,9 +119,16 @@ def _add_eval_command(sub) -> None:
 def _add_export_command(sub) -> None:
     p = sub.add_parser("export", help="write plain safetensors weights (loadable without trainer)")
     p.add_argument(
-        "src", help="a run directory, checkpoint directory, or .pt/.pth/.safetensors file"
+        "src",
+        help="a run directory, checkpoint directory, or .pt/.pth/.safetensors file, or an "
+        "s3:// URL of one",
     )
-    p.add_argument("-o", "--out", help="output directory (default: SRC/export, or FILE-export)")
+    p.add_argument(
+        "-o",
+        "--out",
+        help="output directory or s3:// prefix (default: SRC/export, or FILE-export; for an "
+        "s3:// SRC, ./NAME-export)",
+    )
     p.add_argument(
         "--format",
         choices=("plain", "hf-gpt2"),
@@ -292,14 +301,19 @@ def _resume_config(args):
 def _resume_from_bucket(args, url: str):
     """`--resume s3://bucket/prefix`: the config saved in its newest checkpoint that verifies
     (the bucket alone: a new pod's empty disk), key=value on top, checkpoints in that prefix."""
+    storage.check_path("--resume", url)
+    with storage.explained(f"--resume {url}"):
+        return _resume_config_from(args, url)
+
+
+def _resume_config_from(args, url: str):
     import hashlib
     import tempfile
 
     from trainer import config
     from trainer.checkpoint import bucket, store
 
-    storage.check_path("--resume", url)
-    newest = store.latest_in(url)
+    newest = store.latest_in(url, warn=_note)
     if newest is None:
         raise UsageError(
             f"--resume {url}: no checkpoint there (or in its checkpoints/) verifies: name the "
@@ -398,8 +412,14 @@ def _local(src: str):
         return
     from trainer.checkpoint import store
 
-    with store.fetched(src) as local:
+    with store.fetched(src, warn=_note) as local:
         yield local
+
+
+def _note(message: str) -> None:
+    """A line on stderr (stdout may carry a command's JSON), from rank 0 only."""
+    if _is_rank0():
+        print(f"note: {message}", file=sys.stderr)
 
 
 def _cmd_doctor(args) -> int:

@@ -18,6 +18,7 @@ path's fault, exit 2; EIO: may clear, exit 4), with one line naming the object a
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -29,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from trainer.errors import UsageError, first_line
+from trainer.errors import UsageError, first_line, io_error
 
 SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 SUPPORTED = ("s3",)
@@ -140,10 +141,32 @@ def _classify(e: BaseException) -> tuple[bool, int, str]:
             return False, errno.ENOENT, "not found (404)"
         return False, errno.EIO, f"{code or status}: {err.get('Message', '')}".strip()
     if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionError, bx.HTTPClientError)):
-        return True, errno.EIO, f"cannot reach the S3 endpoint ({first_line(e)})"
+        return True, errno.EIO, f"cannot reach the S3 endpoint ({first_line(e)}){_endpoint_hint()}"
     if isinstance(e, ConnectionError | TimeoutError):
         return True, errno.EIO, first_line(e)
     return False, errno.EIO, first_line(e)
+
+
+FIX = (
+    "check the bucket's name and the key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+    "AWS_ENDPOINT_URL for an S3-compatible server; docs/training.md, 'Checkpoints in a bucket')"
+)
+
+
+@contextlib.contextmanager
+def explained(what: str):
+    """A BucketError inside the block as one line about `what`: a UsageError (exit 2) when the
+    key, the bucket or the endpoint is at fault, else a RetryableError (exit 4)."""
+    try:
+        yield
+    except BucketError as e:
+        raise io_error(e, what, FIX) from None
+
+
+def _endpoint_hint() -> str:
+    if os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL"):
+        return ""
+    return "; no AWS_ENDPOINT_URL is set, so this is AWS itself: set it for an S3-compatible server"
 
 
 def retry_seconds() -> float:
@@ -192,6 +215,12 @@ def client():
     import boto3
     from botocore.config import Config
 
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        value = os.environ.get(name)
+        if value and not re.match(r"^https?://[^/]", value):
+            raise BucketError(
+                errno.EINVAL, f"{name}={value} is not a URL: write http://HOST:PORT or https://..."
+            )
     with _session_lock():
         session = boto3.session.Session()
         made = session.client(

@@ -193,7 +193,7 @@ def download(url: str, local: str) -> None:
 @contextlib.contextmanager
 def local_copy(url: str):
     """A verified local copy of the checkpoint at `url` for the block's duration."""
-    folder = tempfile.mkdtemp(prefix="trainer-checkpoint-")
+    folder = local_folder("checkpoint")
     try:
         download(url, folder)
         yield folder
@@ -203,7 +203,42 @@ def local_copy(url: str):
 
 def staging(url: str) -> str:
     """A fresh local folder to write a checkpoint for `url` into before it is uploaded."""
-    return tempfile.mkdtemp(prefix=f".{storage.basename(url)}.staging-")
+    return local_folder("staging")
+
+
+LOCAL = re.compile(r"^trainer-(staging|checkpoint|object)-(\d+)-")
+"""The local folders a bucket's checkpoints pass through ($TMPDIR), named by the process."""
+
+
+def local_folder(kind: str) -> str:
+    """A fresh folder in $TMPDIR named trainer-KIND-PID-..., which sweep_local removes once
+    that process is gone (a SIGKILL leaves it behind)."""
+    return tempfile.mkdtemp(prefix=f"trainer-{kind}-{os.getpid()}-")
+
+
+def sweep_local() -> list[str]:
+    """Remove this node's local checkpoint folders whose process is gone; returns them."""
+    folder, removed = tempfile.gettempdir(), []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    for name in names:
+        found = LOCAL.match(name)
+        if found and not _alive(int(found[2])):
+            shutil.rmtree(os.path.join(folder, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def delete_prefix(url: str, objects=None) -> None:
@@ -212,7 +247,7 @@ def delete_prefix(url: str, objects=None) -> None:
     storage.delete(bucket, keys)
 
 
-def prune(root: str, keep_last: int, protect: str | None = None) -> list[str]:
+def prune(root: str, keep_last: int, protect=()) -> list[str]:
     """Delete all but the newest `keep_last` sealed checkpoints under `root` (never `protect`:
     the one this run resumed from); the manifest goes first, so a prune cut short leaves an
     unsealed prefix (swept at the next start), never a sealed one with objects missing."""
@@ -220,7 +255,7 @@ def prune(root: str, keep_last: int, protect: str | None = None) -> list[str]:
     removed = []
     sealed = [f for f in scan(root)[0] if f.sealed]
     for found in sealed[keep_last:]:
-        if found.url == protect:
+        if found.url in protect:
             continue
         manifest_key = found.objects[BUCKET_MANIFEST].key
         storage.delete(bucket, [manifest_key])

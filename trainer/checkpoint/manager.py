@@ -64,10 +64,7 @@ class CheckpointWriteError(RetryableError):
 
 
 WRITABLE_FIX = "point ckpt.dir (default <run_dir>/checkpoints) at writable storage"
-BUCKET_FIX = (
-    "check the bucket's name and the key (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
-    "AWS_ENDPOINT_URL for an S3-compatible server; docs/training.md, 'Checkpoints in a bucket')"
-)
+BUCKET_FIX = storage.FIX
 
 
 @dataclass(frozen=True)
@@ -172,11 +169,15 @@ class Checkpointer:
         damaged: list[str] = []
         if self.world.is_main:
             store.remove_stale_temporaries(self.root)
+        if storage.is_url(self.root):  # every node: local copies that SIGKILLed runs left
+            bucket.sweep_local()
         while True:
             # Rank 0 decides for everyone; a mistake is reported once (ConfigError).
             choice = ranks.main_decides(self._choose, damaged)
             if choice is None:
                 self._on_disk = 0  # step 0 needs no checkpoint: a fresh start remakes it
+                if self.cfg.ckpt.resume == "never" and self.world.is_main:
+                    self._say_what_stays()
                 return None
             try:
                 resumed, problem = self._load(choice), None
@@ -196,6 +197,21 @@ class Checkpointer:
                 f"checkpoint {choice} is damaged ({problem}); falling back to an older one"
             )
             damaged.append(choice)
+
+    def _say_what_stays(self) -> None:
+        """ckpt.resume=never into a folder or prefix holding an earlier run's checkpoints: they
+        stay, and count in retention and in a later ckpt.resume=auto. Said, never silent."""
+        try:
+            found = store.list_checkpoints(self.root)
+        except OSError:
+            return
+        if found:
+            self.log.info(
+                f"note: ckpt.resume=never: {self.root} holds {len(found)} checkpoint(s) of an "
+                f"earlier run (newest: step {found[0][0]}); they stay, and count in "
+                "ckpt.keep_last and in a later ckpt.resume=auto: give each run its own ckpt.dir "
+                "to keep them apart"
+            )
 
     def _choose(self, damaged: list[str]) -> str | None:
         """choose_resume on rank 0: a mistake is a ConfigError (exit 2); storage that cannot be
@@ -252,7 +268,7 @@ class Checkpointer:
         leave the others waiting in DCP's collectives)."""
         if not storage.is_url(path):
             return self._load_from(path, path)
-        folder = tempfile.mkdtemp(prefix="trainer-checkpoint-")
+        folder = bucket.local_folder("checkpoint")
         try:
             problem = None
             try:
@@ -338,7 +354,7 @@ class Checkpointer:
             self._writer.step = step  # every rank: each learns the outcome at the next wait
         else:
             if self.world.is_main:
-                store.prune(self.root, self.cfg.ckpt.keep_last, self._resumed)
+                store.prune(self.root, self.cfg.ckpt.keep_last, (self._resumed, path))
             self._on_disk = step
         took = time.perf_counter() - started
         record = {"kind": "checkpoint", "step": step, "reason": str(reason), "seconds": took}
@@ -413,13 +429,13 @@ class Checkpointer:
             error = f"ckpt.dir {self.root}: {error}: {WRITABLE_FIX}"
         return error, permanent
 
-    def _in_background(self, step: int, write) -> None:
-        """Rank 0: run `write` (which puts the checkpoint of `step` in place), then prune, on the
-        writer thread; its outcome is everyone's at the next `wait`."""
+    def _in_background(self, step: int, write, path: str) -> None:
+        """Rank 0: run `write` (which puts the checkpoint of `step` at `path`), then prune, on
+        the writer thread; its outcome is everyone's at the next `wait`."""
 
         def job() -> None:
             write()
-            store.prune(self.root, self.cfg.ckpt.keep_last, self._resumed)
+            store.prune(self.root, self.cfg.ckpt.keep_last, (self._resumed, path))
 
         self._writer.start(timed(job, lambda e: self._failure(self.root, step, e)))
 
@@ -438,7 +454,7 @@ class Checkpointer:
             store.write, root, step, model=model, optimizer=host_copy(optimizer), path=path,
             **host_copy(common),
         )  # fmt: skip
-        self._in_background(step, job)
+        self._in_background(step, job, path)
         return path
 
     def _write_sharded(self, root: str, reason: Reason, rngs, background: bool) -> str | None:
@@ -490,7 +506,9 @@ class Checkpointer:
                 written.add_done_callback(lambda _: store.abort(tmp))
             self._writer.start(None, shards=written)
             return None
-        self._in_background(step, functools.partial(_seal, written, tmp, path, host_copy(common)))
+        self._in_background(
+            step, functools.partial(_seal, written, tmp, path, host_copy(common)), path
+        )
         return path
 
     def _common(self, reason: Reason, rngs, fmt: str) -> dict:

@@ -176,9 +176,10 @@ def decide(path: str, payload: dict, current: dict, kernels: dict, bitwise: bool
     saved = saved_config(payload["config_yaml"])
     conflicts = config_conflicts(saved, current)
     if conflicts:
+        elsewhere = "a new ckpt.dir" if (current.get("ckpt") or {}).get("dir") else "a new run_dir"
         raise ConfigError(
             f"cannot resume {path}: the config changed ({'; '.join(conflicts[:4])}); "
-            "use the saved values, or start fresh with ckpt.resume=never or a new run_dir"
+            f"use the saved values, or start fresh with ckpt.resume=never or {elsewhere}"
         )
     meta = payload["meta"]
     changed = kernel_changes(meta.get("kernels"), kernels) if bitwise else []

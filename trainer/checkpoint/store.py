@@ -333,32 +333,49 @@ def readable(path: str):
 
 
 @contextlib.contextmanager
-def fetched(url: str):
+def fetched(url: str, warn: Callable[[str], None] | None = None):
     """What a bucket URL names, copied to local disk for the block: a checkpoint (its prefix),
-    the newest valid checkpoint under a run's prefix (or its checkpoints/), or one object (a
-    weights file). A one-line UsageError when it names none of them."""
-    import tempfile
+    the newest valid checkpoint under a run's prefix (or its checkpoints/; `warn` hears of newer
+    damaged ones), an export's prefix (model.safetensors and its config), or one object (a
+    weights file). A one-line UsageError when it names none of them, or the bucket cannot be
+    read (storage.explained)."""
 
-    target = url if is_step_dir(url) else latest_in(url)
-    if target is not None:
-        try:
-            with readable(target) as local:
-                yield local
-            return
-        except CorruptCheckpoint as e:
-            raise UsageError(f"{target}: corrupt checkpoint ({e}): pick another") from None
-    if not storage.exists(url):
-        raise UsageError(
-            f"{url}: no checkpoint (step-N.xxxxxxxx prefix with a manifest) and no object there: "
-            "name a run's checkpoint prefix, one checkpoint, or a weights object"
-        )
-    folder = tempfile.mkdtemp(prefix="trainer-object-")
+    folder = _bucket().local_folder("object")
     try:
-        local = os.path.join(folder, storage.basename(url))
-        storage.get_file(url, local)
+        with storage.explained(f"reading {url}"):
+            local = _fetch(url, folder, warn)
         yield local
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def _fetch(url: str, folder: str, warn) -> str:
+    target = url if is_step_dir(url) else latest_in(url, warn)
+    if target is not None:
+        if warn and target != url:
+            warn(f"{url}: using its newest valid checkpoint, {target}")
+        local = os.path.join(folder, storage.basename(target))
+        try:
+            _bucket().download(target, local)
+        except CorruptCheckpoint as e:
+            raise UsageError(f"{target}: corrupt checkpoint ({e}): pick another") from None
+        return local
+    objects = {rel for rel, _ in storage.walk(url)}
+    if "model.safetensors" in objects:  # an export's prefix: the weights and their config
+        local = os.path.join(folder, storage.basename(url))
+        os.makedirs(local)
+        for name in sorted(objects & {"model.safetensors", "config.yaml", "config.json"}):
+            storage.get_file(storage.join(url, name), os.path.join(local, name))
+        return local
+    if not storage.exists(url):
+        raise UsageError(
+            f"{url}: nothing trainer can read there (no step-N.xxxxxxxx checkpoint prefix with a "
+            "manifest, no exported model.safetensors, no object of that name): name a run's "
+            "checkpoint prefix, one checkpoint, an export's prefix or a weights object"
+        )
+    local = os.path.join(folder, storage.basename(url))
+    storage.get_file(url, local)
+    return local
 
 
 def seal(tmp: str, *, extra: dict, meta: dict, config_yaml: str) -> None:
@@ -497,14 +514,15 @@ def check_payload(payload: dict) -> None:
             )
 
 
-def prune(root: str, keep_last: int, protect: str | None = None) -> list[str]:
-    """Delete all but the newest `keep_last` checkpoints (never `protect`: the one this run
-    resumed from, until the run ends)."""
+def prune(root: str, keep_last: int, protect=()) -> list[str]:
+    """Delete all but the newest `keep_last` checkpoints (never those in `protect`: the one this
+    run resumed from, and the one it just wrote, which an earlier run's higher steps in the same
+    folder would otherwise push out)."""
     if storage.is_url(root):
         return _bucket().prune(root, keep_last, protect)
     removed = []
     for _, path in list_checkpoints(root)[keep_last:]:
-        if path == protect:
+        if path in protect:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)

@@ -334,10 +334,8 @@ def _hf_gpt2(state: dict, config: str | None) -> dict:
 def check_bucket_out(url: str) -> None:
     """`export -o s3://...`: the prefix holds nothing but an earlier export's objects (those
     are replaced), so an export never writes over what it did not write itself."""
-    try:
+    with storage.explained(f"export -o {url}"):
         other = sorted({rel for rel, _ in storage.walk(url)} - EXPORTED)
-    except OSError as e:
-        raise io_error(e, f"export -o {url}", _BUCKET_FIX) from None
     if other:
         raise UsageError(
             f"export -o {url}: the prefix holds other objects ({', '.join(other[:3])}) that an "
@@ -349,16 +347,11 @@ def upload_export(folder: str, url: str) -> str:
     """The files of the local export `folder` uploaded under `url` (each with its sha256),
     model.safetensors last; returns its URL."""
     names = sorted(os.listdir(folder), key=lambda n: n == "model.safetensors")
-    try:
+    with storage.explained(f"export -o {url}"):
         for name in names:
             path = os.path.join(folder, name)
             storage.put_file(path, storage.join(url, name), storage.sha256_file(path))
-    except OSError as e:
-        raise io_error(e, f"export -o {url}", _BUCKET_FIX) from None
     return storage.join(url, "model.safetensors")
-
-
-_BUCKET_FIX = "check the bucket's name and the key (AWS_* variables; docs/training.md)"
 
 
 def _is_export(path: str) -> bool:
