@@ -323,7 +323,7 @@ def test_a_short_outage_is_invisible_a_long_one_costs_a_save_and_the_last_save_f
     newest = sorted(prefixes(s3, bucket, "out/12"))[-1]
     assert newest.startswith("step-000000024.")  # the saves after the outage landed
 
-    code, out, folder = outage(30, {"TRAINER_S3_RETRY_S": "3"}, end=True)
+    code, out, folder = outage(5, {"TRAINER_S3_RETRY_S": "3"}, end=True)  # down to the end
     assert code == 4, out
     assert "could not be written" in out
 
