@@ -293,7 +293,9 @@ def _resume_config(args):
     from trainer.checkpoint import store
     from trainer.checkpoint.manager import checkpoint_dir
 
-    if _is_rank0() and not store.list_checkpoints(checkpoint_dir(cfg)):
+    with storage.explained(f"--resume {run_dir}: ckpt.dir {cfg.ckpt.dir}"):
+        empty = _is_rank0() and not store.list_checkpoints(checkpoint_dir(cfg))
+    if empty:
         print(f"note: --resume {run_dir}: no checkpoint there yet, so it trains from step 0")
     return cfg
 
