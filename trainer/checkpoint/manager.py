@@ -64,7 +64,6 @@ class CheckpointWriteError(RetryableError):
 
 
 WRITABLE_FIX = "point ckpt.dir (default <run_dir>/checkpoints) at writable storage"
-BUCKET_FIX = storage.FIX
 
 
 @dataclass(frozen=True)
@@ -217,12 +216,10 @@ class Checkpointer:
         """choose_resume on rank 0: a mistake is a ConfigError (exit 2); storage that cannot be
         listed or read (a bucket's server down: exit 4; a key refused: exit 2) one line too."""
         try:
-            return choose_resume(self.cfg.ckpt.resume, self.root, self.log.info, damaged)
+            with storage.explained(f"cannot list the checkpoints in {self.root}"):
+                return choose_resume(self.cfg.ckpt.resume, self.root, self.log.info, damaged)
         except UsageError as e:
             raise ConfigError(str(e)) from None
-        except OSError as e:
-            error = io_error(e, f"cannot list the checkpoints in {self.root}", BUCKET_FIX)
-            raise (ConfigError(str(error)) if isinstance(error, UsageError) else error) from None
 
     def check_writable(self) -> None:
         """Fail before any work when ckpt.dir cannot hold checkpoints: exit 2 when the path is
@@ -234,12 +231,12 @@ class Checkpointer:
         bucket: put and delete an object, which proves the bucket, the key and its rights)."""
         if storage.is_url(self.root):
             try:
-                storage.probe(self.root)
-            except OSError as e:
-                error = io_error(e, f"ckpt.dir {self.root} is not writable", BUCKET_FIX)
-                raise (ConfigError if isinstance(error, UsageError) else CheckpointWriteError)(
-                    str(error)
-                ) from None
+                with storage.explained(f"ckpt.dir {self.root} is not writable"):
+                    storage.probe(self.root)
+            except UsageError as e:
+                raise ConfigError(str(e)) from None
+            except RetryableError as e:
+                raise CheckpointWriteError(str(e)) from None
             return
         created = []  # the folders the probe makes, removed again: it leaves nothing behind
         folder = self.root
