@@ -99,6 +99,12 @@ def prefixes(s3, bucket: str, under: str) -> dict[str, set[str]]:
     return found
 
 
+def sealed(s3, bucket: str, under: str) -> list[str]:
+    """The checkpoint prefixes under `under` whose manifest is written (not the write probe's
+    object, which a run puts and deletes before its first step)."""
+    return sorted(p for p, names in prefixes(s3, bucket, under).items() if "MANIFEST.json" in names)
+
+
 def test_weed_binary_is_the_pinned_one():
     binary = weed_binary()
     if binary is None:
@@ -166,11 +172,11 @@ def test_a_sharded_checkpoint_in_a_bucket_resumes_at_another_world_size_as_from_
         s3, tmp_path, "multipart", 6, *fsdp, f"run_dir={tmp_path / 'pod1'}", f"ckpt.dir={url}",
         nproc=2,
     )  # fmt: skip
-    sealed = [p for p, names in prefixes(s3, bucket, "fsdp").items() if "MANIFEST.json" in names]
-    assert len(sealed) == 1 and sealed[0].startswith("step-000000003.")
+    done = sealed(s3, bucket, "fsdp")
+    assert len(done) == 1 and done[0].startswith("step-000000003.")
     assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "dcp/.metadata"} <= prefixes(
         s3, bucket, "fsdp"
-    )[sealed[0]]
+    )[done[0]]
     p = run(s3, *fsdp, f"run_dir={tmp_path / 'pod2'}", f"ckpt.dir={url}")  # world 1
     assert "world size 2 -> 1" in p.stdout
     assert s3.uploads(bucket) == []
@@ -297,7 +303,7 @@ def test_a_short_outage_is_invisible_a_long_one_costs_a_save_and_the_last_save_f
             extra_env={**s3.env, **extra},
         )  # fmt: skip
         helpers.wait_for(
-            lambda: prefixes(s3, bucket, f"out/{seconds}"), 120, "a first upload", proc
+            lambda: sealed(s3, bucket, f"out/{seconds}"), 120, "a first checkpoint", proc
         )
         s3.stop()
         time.sleep(seconds)
