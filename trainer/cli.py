@@ -209,27 +209,44 @@ def _add_report_command(sub) -> None:
 def _add_data_command(sub) -> None:
     p = sub.add_parser(
         "data",
-        help="prepare data: tokenize text into token files for data.name=tokens",
+        help="prepare data: tokenize text into token files; pack a dataset into shards",
         description="tokenize SRC -o OUT: write OUT/train.bin, OUT/test.bin and OUT/tokens.json "
         "from a text file or a folder of them, one file at a time (nanoGPT's format; train with "
-        "data.name=tokens data.tokens.path=OUT). The split is data.name=text's.",
+        "data.name=tokens data.tokens.path=OUT). The split is data.name=text's. "
+        "pack SRC -o OUT [data.key=value ...]: write a dataset as tar shards and an index to OUT, "
+        "a new folder or s3://bucket/prefix (train with data.name=shards data.shards.path=OUT); "
+        "SRC is an image folder (train/ and val/), an arrays or tokens folder, or a data.name "
+        "(digits, cifar10, package.module:factory) with its data.* settings.",
     )
-    p.add_argument("action", choices=("tokenize",), help="tokenize: text -> token files")
-    p.add_argument("src", help="a text file, or a folder of them (every file under it)")
-    p.add_argument("-o", "--out", required=True, help="the folder to write the token files to")
+    p.add_argument(
+        "action", choices=("tokenize", "pack"),
+        help="tokenize: text -> token files; pack: a dataset -> shards",
+    )  # fmt: skip
+    p.add_argument("src", help="tokenize: a text file or folder; pack: a folder or a data.name")
+    p.add_argument(
+        "-o", "--out", required=True,
+        help="the folder (pack: or s3:// prefix) to write to; it must be new or empty",
+    )  # fmt: skip
     p.add_argument(
         "--tokenizer",
         default="bytes",
-        help="bytes (default: a vocabulary of 256) or package.module:obj, a callable from a "
-        "file's bytes to its token ids with a vocab_size attribute",
+        help="tokenize: bytes (default: a vocabulary of 256) or package.module:obj, a callable "
+        "from a file's bytes to its token ids with a vocab_size attribute",
     )
     p.add_argument(
         "--test-fraction",
         type=float,
         default=0.2,
-        help="share of files (or of the stream) for test",
+        help="tokenize: share of files (or of the stream) for test",
     )
-    p.add_argument("--split-seed", type=int, default=0, help="seed of the per-file split")
+    p.add_argument("--split-seed", type=int, default=0, help="tokenize: seed of the per-file split")
+    p.add_argument(
+        "--shard-mb", type=float, default=64.0, help="pack: the size of each shard (default 64)"
+    )
+    p.add_argument(
+        "overrides", nargs="*", metavar="data.key=value",
+        help="pack: settings of the source dataset (data.image_size=64, data.kwargs.x=1, seed=1)",
+    )  # fmt: skip
     p.set_defaults(func=_cmd_data)
 
 
@@ -486,6 +503,10 @@ def _cmd_report(args) -> int:
 
 
 def _cmd_data(args) -> int:
+    if args.action == "pack":
+        return _cmd_pack(args)
+    if args.overrides:
+        raise UsageError(f"trainer data tokenize takes no key=value settings ({args.overrides[0]})")
     if not 0 < args.test_fraction < 1:
         raise UsageError(f"--test-fraction {args.test_fraction}: must be > 0 and < 1, e.g. 0.1")
     from trainer.datasets.tokens import write_token_files
@@ -497,6 +518,22 @@ def _cmd_data(args) -> int:
         test_fraction=args.test_fraction,
         split_seed=args.split_seed,
     )
+    return ExitCode.OK
+
+
+def _cmd_pack(args) -> int:
+    from trainer.config import load
+    from trainer.datasets.pack import pack, source_overrides
+
+    bad = [o for o in args.overrides if not (o.startswith("data.") or o.startswith("seed="))]
+    if bad:
+        raise UsageError(
+            f"trainer data pack: {bad[0]} is not a data.* setting (or seed=): pack reads the "
+            "source dataset's settings only"
+        )
+    cfg = load(None, [*source_overrides(args.src), *args.overrides])
+    pack(cfg.data, cfg.seed, args.out, shard_mb=args.shard_mb)
+    print(f"packed: train with data.name=shards data.shards.path={args.out}")
     return ExitCode.OK
 
 

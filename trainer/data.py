@@ -28,7 +28,7 @@ from trainer import batch as batches
 from trainer import registry, sampler
 from trainer.config import DataConfig
 from trainer.datasets.augment import crop_flip
-from trainer.errors import UsageError, first_line
+from trainer.errors import TrainerError, UsageError, first_line
 
 
 def pixels_to_float(
@@ -275,10 +275,46 @@ def train_batches(
     to_float = _float_converter(spec.train, opts.device)
     steps = list(plan.rank_batches(rank, world_size, start))
     keys = [(plan.seed, plan.epoch, idx) for _, idx, _ in steps]
-    for (step, _, count), batch in zip(
-        steps, _fetched(spec, "train", rank, world_size, keys), strict=True
+    prefetch = getattr(spec.train, "prefetch", None)  # data.name=shards: shards ahead, fetched
+    ahead = prefetch([idx for _, idx, _ in steps]) if callable(prefetch) else None
+    log = SampleLog.from_env(plan.epoch)
+    for i, ((step, idx, count), batch) in enumerate(
+        zip(steps, _fetched(spec, "train", rank, world_size, keys), strict=True)
     ):
+        if ahead is not None:
+            ahead.advance(i)
+        if log is not None:
+            log.write(step, idx)
         yield step, to_float(_to_device(batch, opts)), count
+
+
+SAMPLE_LOG_ENV = "TRAINER_SAMPLE_LOG"
+
+
+class SampleLog:
+    """TRAINER_SAMPLE_LOG=FOLDER: each process appends {"epoch", "step", "ids"} (the training
+    samples of each of its steps, as it starts them) to FOLDER/samples-rank<RANK>.jsonl: which
+    samples a run trained on, to compare runs, world sizes and resumes."""
+
+    def __init__(self, path: str, epoch: int):
+        self.path, self.epoch = path, epoch
+
+    @classmethod
+    def from_env(cls, epoch: int) -> SampleLog | None:
+        import os
+
+        folder = os.environ.get(SAMPLE_LOG_ENV)
+        if not folder:
+            return None
+        os.makedirs(folder, exist_ok=True)
+        return cls(os.path.join(folder, f"samples-rank{os.environ.get('RANK', '0')}.jsonl"), epoch)
+
+    def write(self, step: int, idx) -> None:
+        import json
+
+        ids = [int(i) for i in np.asarray(idx).reshape(-1)]
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"epoch": self.epoch, "step": step, "ids": ids}) + "\n")
 
 
 TAKE_BYTES = 16 << 20
@@ -438,10 +474,11 @@ def _fetched(spec: DataSpec, split: str, rank: int, world_size: int, keys: list)
     loader.batch_sampler.keys = keys
     try:
         yield from loader
-    except UsageError as e:
-        # DataLoader folds a worker's traceback into the message; the user needs our last line.
+    except TrainerError as e:
+        # DataLoader folds a worker's traceback into the message; the user needs our last line
+        # (and the exit code of its kind: a bucket outage in a worker is still a retry's).
         last = str(e).strip().splitlines()[-1]
-        raise UsageError(last.split("UsageError: ", 1)[-1]) from None
+        raise type(e)(last.split(f"{type(e).__name__}: ", 1)[-1]) from None
 
 
 def _pad(opts: LoaderOptions, split: str) -> int | None:

@@ -52,6 +52,11 @@ class RetryableError(TrainerError):
     exit_code = ExitCode.RETRYABLE
 
 
+class DataUnavailable(RetryableError):
+    """Training data could not be read for a while (a bucket's outage outlasted the retries): a
+    one-process run saves a checkpoint of the last step before it stops."""
+
+
 def did_you_mean(value: str, choices) -> str:
     """' (did you mean 'x'?)' for the closest choice, or '' when nothing is close."""
     import difflib

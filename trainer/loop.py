@@ -17,6 +17,7 @@ import torch
 
 from trainer import data, guards, perf, ranks
 from trainer.checkpoint.manager import (
+    DATA_UNAVAILABLE,
     EVERY_EPOCHS,
     EVERY_MINUTES,
     EVERY_STEPS,
@@ -26,7 +27,7 @@ from trainer.checkpoint.manager import (
 )
 from trainer.config import CkptConfig, Config, TrainConfig
 from trainer.diagnostics import straggler_line
-from trainer.errors import Preempted
+from trainer.errors import DataUnavailable, Preempted
 from trainer.evaluate import evaluate
 from trainer.signals import StopVote
 
@@ -126,7 +127,7 @@ def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: Stop
         run.data, plan, run.mesh.data_rank, run.mesh.data_size, state.step_in_epoch
     )
     due = next_due(run.cfg, state.step, run.total_steps)
-    for _, batch, count in clock.timed(batches):  # batches are on the device already
+    for _, batch, count in clock.timed(_or_saved(run, clock, batches)):  # on the device already
         losses.add(run.step(batch, count, state.step), count)
         state.step += 1
         run.watchdog.beat(state.step)
@@ -140,6 +141,19 @@ def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: Stop
         if _after_due_step(run, losses, clock, vote):
             return
         due = next_due(run.cfg, state.step, run.total_steps)
+
+
+def _or_saved(run: Run, clock: TrainClock, batches):
+    """`batches`; data that cannot be read (DataUnavailable, exit 4) first saves the last step
+    where this is the only process: with more, the others are inside the step's collectives,
+    see this rank gone and stop too (exit 4), and the restart resumes from the last save."""
+    try:
+        yield from batches
+    except DataUnavailable as e:
+        if run.world.size > 1 or run.ckpt.on_disk(run.state.step):
+            raise
+        path = _save(run, clock, DATA_UNAVAILABLE, must_succeed=True)
+        raise DataUnavailable(f"{e}; checkpoint {path} saved: {run.to_resume}") from None
 
 
 def next_due(cfg: Config, step: int, total_steps: int) -> int:

@@ -24,6 +24,7 @@ DATASETS: dict[str, str] = {
     "text": "trainer.datasets.text:text",
     "tokens": "trainer.datasets.tokens:tokens",
     "arrays": "trainer.datasets.arrays:arrays",
+    "shards": "trainer.datasets.shards:shards",
 }
 
 MODELS: dict[str, str] = {

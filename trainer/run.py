@@ -123,7 +123,7 @@ class Run:
         return self.state.step >= self.total_steps
 
     def epoch_plan(self, epoch: int) -> sampler.EpochPlan:
-        return epoch_plan(self.cfg, len(self.data.train), epoch)
+        return epoch_plan(self.cfg, len(self.data.train), epoch, self.data.train)
 
     def memory(self) -> dict:
         """This rank's parameter, gradient and optimizer bytes (its shards under fsdp), its
@@ -146,10 +146,14 @@ class Run:
         )
 
 
-def epoch_plan(cfg: Config, n: int, epoch: int) -> sampler.EpochPlan:
-    """The global batches of training epoch `epoch` over n samples."""
+def epoch_plan(cfg: Config, n: int, epoch: int, split=None) -> sampler.EpochPlan:
+    """The global batches of training epoch `epoch` over n samples (of `split`: one with
+    shard_sizes, data.name=shards's, is read data.shards.window shards at a time)."""
     d = cfg.data
+    groups = getattr(split, "shard_sizes", None)
     return sampler.EpochPlan(
+        groups=None if groups is None else tuple(groups),
+        window=d.shards.window,
         n=n,
         global_batch=d.global_batch_size,
         seed=cfg.seed,

@@ -35,6 +35,24 @@ def rank_chunk(indices: np.ndarray, rank: int, world_size: int) -> np.ndarray:
     return indices[start:stop]
 
 
+def shard_order(sizes: tuple[int, ...], window: int, seed: int, epoch: int) -> np.ndarray:
+    """A permutation of sum(sizes) samples that reads shards mostly in sequence: shard k holds
+    samples [sum(sizes[:k]), sum(sizes[:k+1])); the shards are visited in a shuffled order,
+    `window` at a time, the samples of each window shuffled among themselves. A pure function of
+    (seed, epoch), as epoch_order; window 0 (or >= the shards) is epoch_order's full shuffle."""
+    n = int(sum(sizes))
+    if window <= 0 or window >= len(sizes):
+        return epoch_order(n, seed, epoch)
+    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch, 1])))
+    first = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    visit = rng.permutation(len(sizes))
+    parts = []
+    for w in range(0, len(visit), window):
+        members = np.concatenate([np.arange(first[k], first[k + 1]) for k in visit[w : w + window]])
+        parts.append(members[rng.permutation(len(members))])
+    return np.concatenate(parts)
+
+
 @dataclass(frozen=True)
 class EpochPlan:
     """The global batches of one training epoch."""
@@ -45,6 +63,10 @@ class EpochPlan:
     epoch: int
     shuffle: bool = True
     drop_last: bool = False
+    groups: tuple[int, ...] | None = None
+    """Samples per shard (a split's shard_sizes): the order then reads `window` shards at a
+    time (shard_order) instead of the whole dataset at once."""
+    window: int = 0
 
     def __post_init__(self) -> None:
         if self.n <= 0:
@@ -55,6 +77,8 @@ class EpochPlan:
         return full + (1 if tail and not self.drop_last else 0)
 
     def order(self) -> np.ndarray:
+        if self.groups is not None and self.shuffle:
+            return shard_order(self.groups, self.window, self.seed, self.epoch)
         return epoch_order(self.n, self.seed, self.epoch, self.shuffle)
 
     def global_batches(self, start: int = 0):

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import hashlib
 import os
 import random
@@ -202,16 +201,29 @@ def retried(what: str, call: Callable, *, deadline: float | None = None):
 _LOCAL = threading.local()
 
 
-@functools.lru_cache(maxsize=1)
+_SESSION_LOCK = threading.Lock()
+
+
 def _session_lock() -> threading.Lock:
-    return threading.Lock()
+    return _SESSION_LOCK
+
+
+def _after_fork() -> None:
+    """A forked process (a loader worker) starts with the lock free, whatever a thread of its
+    parent held."""
+    global _SESSION_LOCK
+    _SESSION_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def client():
-    """This thread's S3 client (boto3 clients are thread-safe to use, not to create)."""
+    """This thread's S3 client (boto3 clients are thread-safe to use, not to create; a forked
+    process makes its own, never using its parent's connections)."""
     made = getattr(_LOCAL, "client", None)
-    if made is not None:
-        return made
+    if made is not None and made[0] == os.getpid():  # not one a forked loader worker inherited
+        return made[1]
     import boto3
     from botocore.config import Config
 
@@ -235,7 +247,7 @@ def client():
                 response_checksum_validation="when_required",
             ),
         )
-    _LOCAL.client = made
+    _LOCAL.client = (os.getpid(), made)
     return made
 
 

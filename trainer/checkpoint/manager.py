@@ -90,6 +90,7 @@ EVERY_EPOCHS = Reason("every_epochs", scheduled=True, quiet=True)
 EVERY_MINUTES = Reason("every_minutes", scheduled=True, quiet=True)
 FINAL = Reason("final", quiet=True)
 METRICS_FAILED = Reason("metrics write failed")
+DATA_UNAVAILABLE = Reason("data unavailable")
 DRY_RUN = Reason("dry-run")
 
 

@@ -116,11 +116,12 @@ NONEMPTY = frozenset(
 
 PATHS = frozenset(
     {"name", "run_dir", "data.root", "data.text.path", "ckpt.dir", "ckpt.resume"}
-    | {"ckpt.init_weights", "data.tokens.path", "data.arrays.path"}
+    | {"ckpt.init_weights", "data.tokens.path", "data.arrays.path", "data.shards.path"}
+    | {"data.shards.cache_dir"}
 )
 """String fields that become file or folder paths (name: runs go to runs/<name>/):
 checked against what every Linux file system refuses, so `config check` says what `train` would."""
-BUCKET_PATHS = frozenset({"ckpt.dir", "ckpt.resume", "ckpt.init_weights"})
+BUCKET_PATHS = frozenset({"ckpt.dir", "ckpt.resume", "ckpt.init_weights", "data.shards.path"})
 """The PATHS that may also be an s3:// URL (storage.py); a URL in any other is refused."""
 
 NAME_MAX = 255

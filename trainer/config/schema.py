@@ -102,12 +102,36 @@ class ArraysConfig:
 
 
 @dataclass(kw_only=True)
+class ShardsConfig:
+    """data.name=shards: a dataset `trainer data pack` wrote, in a folder or an s3:// prefix."""
+
+    path: str = "data/shards"
+    """The folder or s3://bucket/prefix holding index.json and the .tar shards."""
+    window: int = 8
+    """Shards an epoch reads at a time, its samples shuffled among them (the order visits the
+    shards in a shuffled order, `window` at a time): a bigger window mixes more, a smaller one
+    needs less cache. 0: a full shuffle (the same order as the unpacked dataset)."""
+    cache_dir: str = "/tmp/trainer-shards"
+    """A bucket's shards are downloaded here, once per node (shared by its ranks and workers)."""
+    cache_gb: float = 8.0
+    """The cache's size limit; least recently used shards are evicted beyond it. Must hold
+    2 x window + 2 shards."""
+
+    def __post_init__(self) -> None:
+        check_fields(self, "data.shards.")
+        if self.window < 0:
+            raise UsageError(f"data.shards.window={self.window}: must be >= 0 (0: a full shuffle)")
+        if not self.cache_gb > 0:
+            raise UsageError(f"data.shards.cache_gb={self.cache_gb}: must be > 0, e.g. 8")
+
+
+@dataclass(kw_only=True)
 class DataConfig:
     """The dataset, its splits, the global batch and how batches reach the ranks."""
 
     name: str = "digits"
     """Dataset: digits | diabetes | mnist | fashion_mnist | cifar10 | imagefolder | synthetic |
-    text | tokens | arrays, or `package.module:factory` (docs/extending.md)."""
+    text | tokens | arrays | shards, or `package.module:factory` (docs/extending.md)."""
     root: str = "data"
     """Folder holding on-disk datasets (mnist, fashion_mnist, cifar10, imagefolder); the error
     for a missing folder names the files to put there."""
@@ -152,6 +176,7 @@ class DataConfig:
     text: TextConfig = field(default_factory=TextConfig)
     tokens: TokensConfig = field(default_factory=TokensConfig)
     arrays: ArraysConfig = field(default_factory=ArraysConfig)
+    shards: ShardsConfig = field(default_factory=ShardsConfig)
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Settings of your own data factory (it reads cfg.kwargs; the built-ins read none), e.g.
     data.kwargs.min_length=3."""
