@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long test-memory test-s3 lint format bench lock clean tensorboard image \
+.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long test-memory test-s3 lint format bench bench-shards lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -133,6 +133,16 @@ lint: setup  ## static checks: ruff, hadolint (Dockerfile), yamllint (compose fi
 format: setup  ## apply the formatter
 	$(BIN)/ruff format trainer tests scripts examples $(wildcard bench)
 	$(BIN)/ruff check --fix trainer tests scripts examples $(wildcard bench)
+
+BENCH_VENV ?= .venv-bench
+
+bench-shards: setup  ## our shard reader against MosaicML streaming and litdata (in .venv-bench, which sees .venv's packages: their pins clash with ours), S3 on loopback (~10 min)
+	@test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	@$(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > \
+	  "$$($(BENCH_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-trainer-venv.pth"
+	@ln -sf "$(abspath $(BIN))/weed" $(BENCH_VENV)/bin/weed
+	$(BENCH_VENV)/bin/python -m pip install --quiet --disable-pip-version-check mosaicml-streaming==0.13.0 litdata==0.2.76
+	$(BENCH_VENV)/bin/python bench/shards.py
 
 bench: setup  ## throughput ratios side by side (GPU suite on a CUDA machine, else CPU) -> bench/results
 	$(BIN)/python bench/bench.py --suite $(or $(SUITE),auto) --reps $(or $(REPS),3)

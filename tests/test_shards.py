@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -69,14 +70,17 @@ def pack(src, out, *extra, env=None, check=True):
     )  # fmt: skip
 
 
-def pack_here(src: Path, out: Path) -> None:
+def pack_here(src: Path, out: Path, shuffle_seed: int | None = 0) -> None:
     """`trainer data pack` in this process (what the CLI runs, without its start-up)."""
     from trainer.config import load
     from trainer.datasets.pack import pack as pack_data
     from trainer.datasets.pack import source_overrides
 
     cfg = load(None, [*source_overrides(str(src)), "data.image_size=8"])
-    pack_data(cfg.data, cfg.seed, str(out), shard_mb=float(SHARD_MB), say=lambda _: None)
+    pack_data(
+        cfg.data, cfg.seed, str(out), shard_mb=float(SHARD_MB), shuffle_seed=shuffle_seed,
+        say=lambda _: None,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +117,25 @@ def test_pack_is_deterministic_webdataset_tar_and_reads_back_the_source(packed, 
                       "data.image_size=8"])  # fmt: skip
     from trainer.datasets.folder import imagefolder
 
+    from trainer.datasets.pack import packing_order
+
     source = imagefolder(cfg.data, 0)
     mine = shards(load(None, ["data.name=shards", f"data.shards.path={packed}"]).data, 0)
     idx = np.array([0, 119, 57, 3, 58, 11])
-    for a, b in zip(source.train.take(idx), mine.train.take(idx), strict=True):
+    order = packing_order(IMAGES, 0)  # packed shuffled: packed sample j is source order[j]
+    for a, b in zip(source.train.take(order[idx]), mine.train.take(idx), strict=True):
         assert a.dtype == b.dtype and bool((a == b).all())
+    for a, b in zip(source.test.take(idx[idx < 20]), mine.test.take(idx[idx < 20]), strict=True):
+        assert bool((a == b).all())  # the test split as it was
     assert mine.in_shape == source.in_shape and mine.num_classes == 4
     assert bool((mine.train.mean == source.train.mean).all())
+    # shuffled when packed, each shard holds several classes; in the folder's order, one
+    kept = tmp_path / "kept"
+    pack_here(packed.parent / "images", kept, shuffle_seed=None)
+    in_order = shards(load(None, ["data.name=shards", f"data.shards.path={kept}"]).data, 0)
+    first = mine.train.shard_sizes[0]
+    assert len(set(mine.train.take(np.arange(first))[1].tolist())) > 1
+    assert len(set(in_order.train.take(np.arange(first))[1].tolist())) == 1
 
 
 def most_open(order, shard_of, sizes) -> int:
@@ -162,9 +178,12 @@ def test_window_0_trains_to_the_bits_of_the_unpacked_folder(packed, tmp_path):
     common = [*SMALL[:2], "model.kwargs.delay=0", "data.image_size=8", "train.epochs=1",
               "data.global_batch_size=12", "log.progress=none", "log.tensorboard=false"]  # fmt: skip
     images = packed.parent / "images"
+    kept = tmp_path / "kept"
+    p = pack(images, kept, "--keep-order")  # the CLI: the source's order, to its bits
+    assert f"data.shards.path={kept}" in p.stdout
     helpers.trainer("train", *common, "data.name=imagefolder", f"data.root={images}",
                     f"run_dir={tmp_path / 'a'}")  # fmt: skip
-    helpers.trainer("train", *common, "data.name=shards", f"data.shards.path={packed}",
+    helpers.trainer("train", *common, "data.name=shards", f"data.shards.path={kept}",
                     "data.shards.window=0", f"run_dir={tmp_path / 'b'}")  # fmt: skip
     a, b = helpers.weights(tmp_path / "a"), helpers.weights(tmp_path / "b")
     assert all(bool((a[k] == b[k]).all()) for k in a)
@@ -210,6 +229,17 @@ def test_cache_evicts_least_recently_used_and_sweeps_dead_partial_downloads(
     with pytest.raises(UsageError, match=f"shard s3://b/p/{infos[5].name} is damaged"):
         cache.fetch(f"s3://b/p/{infos[5].name}", infos[5])
     assert not list(folder.glob(".part-*")) and not (folder / f"{infos[5].sha256}.tar").exists()
+    # a full disk: one line naming the settings, nothing left behind
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(
+        UsageError, match="No space left on device: free space there, or set data.shards.cache_dir"
+    ):
+        cache.fetch(f"s3://b/p/{infos[6].name}", infos[6])
+    assert not [p for p in folder.iterdir() if p.name.startswith((".part-", ".place-"))]
 
 
 @pytest.mark.shards
@@ -299,7 +329,7 @@ def killed_at(s3, step: int, nproc: int, log_dir: Path, *args) -> None:
 
 
 @pytest.mark.s3
-def test_killed_mid_epoch_on_2_ranks_resumes_on_3_and_on_4_with_the_same_samples_and_bits(
+def test_killed_mid_epoch_on_2_ranks_resumes_on_4_3_and_1_with_the_same_samples_and_bits(
     s3, bucket_set, tmp_path
 ):
     shm_before = set(os.listdir("/dev/shm"))
@@ -316,7 +346,7 @@ def test_killed_mid_epoch_on_2_ranks_resumes_on_3_and_on_4_with_the_same_samples
         ids = sorted(i for (e, _), v in whole.items() if e == epoch for i in v)
         assert ids == list(range(IMAGES))
 
-    for resumed_on, extra in ((4, invariant), (3, common)):
+    for resumed_on, extra in ((4, invariant), (3, common), (1, common)):
         run_dir, log_dir = tmp_path / f"to{resumed_on}", tmp_path / f"log-{resumed_on}"
         args = [*extra, f"run_dir={run_dir}", f"ckpt.dir=s3://data/ckpt-{resumed_on}"]
         killed_at(s3, 3, 2, log_dir, *args)  # epoch 1's step 3: after the save at step 12

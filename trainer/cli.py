@@ -244,6 +244,15 @@ def _add_data_command(sub) -> None:
         "--shard-mb", type=float, default=64.0, help="pack: the size of each shard (default 64)"
     )
     p.add_argument(
+        "--shuffle-seed", type=int, default=0,
+        help="pack: the train samples are packed in an order shuffled from this seed (default "
+        "0), so each shard holds a mix of the set (an image folder lists one class after another)",
+    )  # fmt: skip
+    p.add_argument(
+        "--keep-order", action="store_true",
+        help="pack: keep the source's order (then data.shards.window=0 trains to SRC's bits)",
+    )  # fmt: skip
+    p.add_argument(
         "overrides", nargs="*", metavar="data.key=value",
         help="pack: settings of the source dataset (data.image_size=64, data.kwargs.x=1, seed=1)",
     )  # fmt: skip
@@ -532,7 +541,8 @@ def _cmd_pack(args) -> int:
             "source dataset's settings only"
         )
     cfg = load(None, [*source_overrides(args.src), *args.overrides])
-    pack(cfg.data, cfg.seed, args.out, shard_mb=args.shard_mb)
+    shuffle = None if args.keep_order else args.shuffle_seed
+    pack(cfg.data, cfg.seed, args.out, shard_mb=args.shard_mb, shuffle_seed=shuffle)
     print(f"packed: train with data.name=shards data.shards.path={args.out}")
     return ExitCode.OK
 

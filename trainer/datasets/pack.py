@@ -4,8 +4,10 @@ reads (trainer/datasets/shards.py has the format).
 SRC is a data.name (a built-in, or `package.module:factory`) or a folder the trainer can tell:
 an image folder (train/ and val/ of class folders: imagefolder), a folder of .npy fields (train/
 and test/: arrays) or of token files (train.bin: tokens). The samples are what the source's
-take() returns (pixels as the uint8 it stores, tokens, features), so training on the shards with
-data.shards.window=0 gives the bits of training on SRC itself. Shards are written whole and
+take() returns (pixels as the uint8 it stores, tokens, features). The train samples are packed
+in a shuffled order (--shuffle-seed): an image folder lists one class after another, and shards
+of one class each would give the shard-aware order's batches few classes. --keep-order keeps
+the source's order, and then data.shards.window=0 trains to the bits of training on SRC. Shards are written whole and
 renamed (a folder) or uploaded with their sha256 (a bucket); index.json last: a packing that
 stops early leaves no index, and OUT must be new (nothing is written over).
 """
@@ -141,9 +143,26 @@ class _ShardWriter:
         """Called with each finished shard (the bucket packer uploads it here)."""
 
 
-def pack(data_cfg, seed: int, out: str, *, shard_mb: float = 64.0, say=print) -> dict:
-    """Write the dataset `data_cfg` names as shards to `out` (a new folder or s3:// prefix);
-    returns the index written."""
+SHUFFLE_TAG = 0x5A4D
+"""Mixed into the packing permutation's seed, so it is not an epoch order of the same seed."""
+
+
+def packing_order(n: int, shuffle_seed: int | None) -> np.ndarray:
+    """The source's train samples in the order they are packed: shuffled from `shuffle_seed`
+    (so each shard holds a mix of the set, not one class of an image folder), or as they are."""
+    if shuffle_seed is None:
+        return np.arange(n, dtype=np.int64)
+    seq = np.random.SeedSequence([shuffle_seed, SHUFFLE_TAG])
+    return np.random.Generator(np.random.PCG64(seq)).permutation(n).astype(np.int64)
+
+
+def pack(
+    data_cfg, seed: int, out: str, *, shard_mb: float = 64.0, shuffle_seed: int | None = 0,
+    say=print,
+) -> dict:  # fmt: skip
+    """Write the dataset `data_cfg` names as shards to `out` (a new folder or s3:// prefix),
+    its train samples in packing_order(shuffle_seed) (None: the source's order); returns the
+    index written."""
     if not shard_mb > 0:
         raise UsageError(f"--shard-mb {shard_mb}: must be > 0, e.g. 64")
     bucket = storage.is_url(out)
@@ -166,7 +185,7 @@ def pack(data_cfg, seed: int, out: str, *, shard_mb: float = 64.0, say=print) ->
     try:
         if not bucket:
             os.makedirs(out, exist_ok=True)
-        index = _pack_splits(spec, work, out, shard_mb, say)
+        index = _pack_splits(spec, work, out, shard_mb, shuffle_seed, say)
         blob = (json.dumps(index, indent=1) + "\n").encode()
         if bucket:
             with storage.explained(f"trainer data pack: writing {out}/{fmt.INDEX}"):
@@ -188,7 +207,7 @@ def pack(data_cfg, seed: int, out: str, *, shard_mb: float = 64.0, say=print) ->
     return index
 
 
-def _pack_splits(spec, work: str, out: str, shard_mb: float, say) -> dict:
+def _pack_splits(spec, work: str, out: str, shard_mb: float, shuffle_seed, say) -> dict:
     splits, fields, kind = {}, None, None
     for split_name in fmt.SPLITS:
         split = getattr(spec, split_name)
@@ -214,9 +233,10 @@ def _pack_splits(spec, work: str, out: str, shard_mb: float, say) -> dict:
         if storage.is_url(out):
             writer.on_shard = _uploader(out)
         chunk = max(1, min(per_shard, (16 << 20) // layout.stride))
+        order = packing_order(n, shuffle_seed if split_name == "train" else None)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
-            _, _, got = _fields(split.take(np.arange(lo, hi, dtype=np.int64)))
+            _, _, got = _fields(split.take(order[lo:hi]))
             got = [_numpy(t, names[i]) for i, t in enumerate(got)]
             for a, f in zip(got, fields, strict=True):
                 if str(a.dtype) != f.dtype or tuple(a.shape[1:]) != f.shape or len(a) != hi - lo:
@@ -251,6 +271,7 @@ def _pack_splits(spec, work: str, out: str, shard_mb: float, say) -> dict:
             "target_scale": spec.target_scale,
             "stats": stats,
             "source": _plain(spec.source),
+            "train_order": "source" if shuffle_seed is None else f"shuffled, seed {shuffle_seed}",
         },
         "splits": splits,
     }

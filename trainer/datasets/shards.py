@@ -21,6 +21,7 @@ time, shuffled within: the global batches stay the same on any world size.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -213,9 +214,10 @@ class Cache:
                 os.rename(part, path)
                 os.remove(held)
             except OSError as e:
-                raise io_error(
-                    e, f"data.shards: caching {url} in {self.folder}", CACHE_FIX
-                ) from None
+                what = f"data.shards: caching {url} in {self.folder}"
+                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the same again would fail again
+                    raise UsageError(f"{what}: {e.strerror}: {CACHE_FIX}") from None
+                raise io_error(e, what, CACHE_FIX) from None
             finally:
                 for name in (part, held):
                     with contextlib.suppress(FileNotFoundError):
@@ -330,8 +332,12 @@ class ShardSplit:
 
     lazy = True
 
-    def __init__(self, root: str, name: str, layout: Layout, cache: Cache | None, window: int):
+    def __init__(
+        self, root: str, name: str, layout: Layout, cache: Cache | None, window: int, seen: str
+    ):
         self.root, self.name, self.layout, self.cache = root, name, layout, cache
+        self.seen = seen
+        """A folder of markers, one per local shard whose sha256 this node has checked."""
         self.shards: tuple[ShardInfo, ...] = layout.splits[name]
         self.shard_sizes = tuple(s.samples for s in self.shards)
         """Samples per shard, in order: what sampler.EpochPlan's shard-aware order groups by."""
@@ -368,17 +374,25 @@ class ShardSplit:
         if self.cache is not None:
             return self.cache.fetch(self.url(shard), info)
         path = self.url(shard)
-        if shard not in self._verified:
-            try:
+        if shard in self._verified:
+            return path
+        try:
+            st = os.stat(path)
+            # checked once per node while the file stays the same (inode, size, mtime)
+            seen = os.path.join(self.seen, f"{info.sha256}-{st.st_dev}-{st.st_ino}-"
+                                f"{st.st_size}-{st.st_mtime_ns}")  # fmt: skip
+            if not os.path.exists(seen):
                 got = storage.sha256_file(path)
-            except OSError as e:
-                raise io_error(e, f"data.shards: reading shard {path}", PACK_FIX) from None
-            if got != info.sha256:
-                raise UsageError(
-                    f"data.shards: shard {path} is damaged (its sha256 {got[:12]}... is not the "
-                    f"index's {info.sha256[:12]}...): {PACK_FIX}"
-                )
-            self._verified.add(shard)
+                if got != info.sha256:
+                    raise UsageError(
+                        f"data.shards: shard {path} is damaged (its sha256 {got[:12]}... is not "
+                        f"the index's {info.sha256[:12]}...): {PACK_FIX}"
+                    )
+                with contextlib.suppress(OSError):  # no marker: the next process hashes again
+                    open(seen, "wb").close()
+        except OSError as e:
+            raise io_error(e, f"data.shards: reading shard {path}", PACK_FIX) from None
+        self._verified.add(shard)
         return path
 
     def _map(self, shard: int) -> np.ndarray:
@@ -575,8 +589,15 @@ def shards(cfg, seed: int):
                 f"set data.shards.cache_gb >= {need / 2**30:.2f} or a smaller data.shards.window"
             )
         cache = Cache(os.path.abspath(s.cache_dir), limit)
+    seen = os.path.join(os.path.abspath(s.cache_dir), "checked")
+    try:
+        os.makedirs(seen, exist_ok=True)
+    except OSError as e:
+        raise io_error(
+            e, f"data.shards.cache_dir {s.cache_dir} cannot be made", CACHE_FIX
+        ) from None
     spec = layout.spec
-    splits = {name: ShardSplit(root, name, layout, cache, s.window) for name in SPLITS}
+    splits = {name: ShardSplit(root, name, layout, cache, s.window, seen) for name in SPLITS}
     return DataSpec(
         train=splits["train"],
         test=splits["test"],
