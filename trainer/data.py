@@ -276,16 +276,22 @@ def train_batches(
     steps = list(plan.rank_batches(rank, world_size, start))
     keys = [(plan.seed, plan.epoch, idx) for _, idx, _ in steps]
     prefetch = getattr(spec.train, "prefetch", None)  # data.name=shards: shards ahead, fetched
-    ahead = prefetch([idx for _, idx, _ in steps]) if callable(prefetch) else None
+    ahead = None
     log = SampleLog.from_env(plan.epoch)
-    for i, ((step, idx, count), batch) in enumerate(
-        zip(steps, _fetched(spec, "train", rank, world_size, keys), strict=True)
-    ):
+    try:
+        for i, ((step, idx, count), batch) in enumerate(
+            zip(steps, _fetched(spec, "train", rank, world_size, keys), strict=True)
+        ):
+            if i == 0 and callable(prefetch):  # once the loader's workers are up
+                ahead = prefetch([idx for _, idx, _ in steps])
+            if ahead is not None:
+                ahead.advance(i)
+            if log is not None:
+                log.write(step, idx)
+            yield step, to_float(_to_device(batch, opts)), count
+    finally:
         if ahead is not None:
-            ahead.advance(i)
-        if log is not None:
-            log.write(step, idx)
-        yield step, to_float(_to_device(batch, opts)), count
+            ahead.stop()
 
 
 SAMPLE_LOG_ENV = "TRAINER_SAMPLE_LOG"

@@ -298,15 +298,29 @@ def _touch(path: str) -> bool:
 
 _HELD: dict[str, threading.Lock] = {}
 _GUARD = threading.Lock()
+_FORK_GATE = threading.Lock()
+"""Held by a prefetch thread while it fetches, and by a fork (a loader worker starting): no
+worker is forked while a prefetch is inside boto3 or holds one of our locks, whose state the
+worker would inherit half-way."""
+
+
+def _before_fork() -> None:
+    _FORK_GATE.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    _FORK_GATE.release()
 
 
 def _after_fork() -> None:
-    """A loader worker forked while the prefetch thread held a lock starts with none held."""
-    global _HELD, _GUARD
-    _HELD, _GUARD = {}, threading.Lock()
+    """A forked loader worker starts with none of these locks held."""
+    global _HELD, _GUARD, _FORK_GATE
+    _HELD, _GUARD, _FORK_GATE = {}, threading.Lock(), threading.Lock()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+os.register_at_fork(
+    before=_before_fork, after_in_parent=_after_fork_in_parent, after_in_child=_after_fork
+)
 
 
 @contextlib.contextmanager
@@ -497,9 +511,11 @@ class _Prefetcher:
             self._wake.notify()
 
     def stop(self) -> None:
+        """Stop fetching (after the shard in flight) and wait for the thread to end."""
         with self._wake:
             self._stopped = True
             self._wake.notify()
+        self.thread.join()
 
     def _limit(self) -> int:
         current = self.due_at[min(self.step, len(self.due_at) - 1)]
@@ -513,7 +529,8 @@ class _Prefetcher:
                 if self._stopped:
                     return
             try:
-                self.split.local(shard)
+                with _FORK_GATE:
+                    self.split.local(shard)
             except BaseException as e:  # the step that needs it fetches again and says why
                 self.error = e
                 return
