@@ -17,7 +17,7 @@ resume: our start step, streaming's and litdata's state_dict). Every reader shuf
 
 The order: digits (sklearn) written class by class, as an image folder lists them, packed in
 that order (--keep-order: each shard one class) and packed shuffled (the default), trained with
-`data.shards.window` 2 and 8 against 0 (a full shuffle), 3 seeds each: the test accuracy.
+`data.shards.window` 2 and 8 against 0 (a full shuffle), 3 seeds each: the test accuracy and loss.
 Writes bench/results/shards-cpu.json and .png.
 """
 
@@ -177,13 +177,12 @@ def read_one(reader: str, source: str, cache: str, rank: int, world: int, resume
                 if i + 1 >= int(len(loader) * resume_at):
                     state = loader.state_dict()
                     break
+            del loader
             if source.startswith("s3://"):  # a cold cache, as the other readers' resumes
-                from litdata.streaming.resolver import Dir
-
-                fresh = Dir(path=cache + "-resumed", url=source)
-            else:
-                fresh = source
-            ds = StreamingDataset(fresh, shuffle=True, seed=1, storage_options=ds.storage_options)
+                for chunk in Path(cache).rglob("chunk-*.bin"):  # (its state names the folder)
+                    chunk.unlink()
+            ds = StreamingDataset(ds.input_dir, shuffle=True, seed=1,
+                                  storage_options=ds.storage_options)  # fmt: skip
             loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
             loader.load_state_dict(state)
         started = time.perf_counter()
@@ -254,7 +253,7 @@ def order_cost(base: Path, seeds: int) -> list[dict]:
                         str(packed), "--shard-mb", "0.1", *flags], check=True, cwd=ROOT,
                        capture_output=True)  # fmt: skip
         for window in windows:
-            accs = []
+            accs, losses = [], []
             for seed in range(seeds):
                 run_dir = base / f"order-{len(flags)}-{window}-{seed}"
                 subprocess.run(
@@ -266,13 +265,12 @@ def order_cost(base: Path, seeds: int) -> list[dict]:
                     env={**os.environ, "OMP_NUM_THREADS": "1"},
                 )  # fmt: skip
                 summary = json.loads((run_dir / "summary.json").read_text())
-                accs.append(
-                    summary["test"]["accuracy"]
-                    if "test" in summary
-                    else summary["eval"]["accuracy"]
-                )
+                result = summary["test"] if "test" in summary else summary["eval"]
+                accs.append(result["accuracy"])
+                losses.append(result["loss"])
             rows.append({"packed": packing, "window": window, "accuracy": accs,
-                         "mean": statistics.mean(accs)})  # fmt: skip
+                         "mean": statistics.mean(accs), "test_loss": losses,
+                         "mean_loss": statistics.mean(losses)})  # fmt: skip
     return rows
 
 
@@ -367,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resume {r['reader']} at {r['at']:.0%}: first batch {r['first_batch_s']:.2f} s")
     for r in report["order"]:
         print(
-            f"packed {r['packed']}, window {r['window']}: accuracy {r['mean']:.4f} {r['accuracy']}"
+            f"packed {r['packed']}, window {r['window']}: accuracy {r['mean']:.4f} "
+            f"{r['accuracy']}, test loss {r['mean_loss']:.4f}"
         )
     print(f"{path}.json, .png ({report['seconds']:.0f} s)")
     return 0
