@@ -398,3 +398,27 @@ def test_the_docs_quote_the_committed_bucket_results():
             assert quoted[f"{layout}, {r['row']}"] == [*want, f"{r['restore_s']:.2f} s"]
         for name, value in data["ratios"].items():
             assert quoted[f"{layout}: {name}"][0] == f"{value:.3f}"
+
+
+def shard_rows(report: dict) -> dict[str, list[str]]:
+    """The rows docs/benchmarks.md's shards tables hold, from bench/shards.py's report."""
+    rows = {}
+    for r in report["rows"]:
+        where = r["source"] if r["cache"] == "-" else f"{r['source']} {r['cache']}"
+        rows[f"{r['reader']}, {where}, world {r['world']}"] = [f"{r['samples_per_s']:,.0f}"]
+    for name, value in report["ours_over_faster_anchor"].items():
+        rows[f"ours / faster of streaming and litdata, {name}"] = [f"{value:.2f}", ">= 1"]
+    for r in report["resume"]:
+        rows[f"{r['reader']}, resumed at {r['at']:.0%}"] = [f"{r['first_batch_s']:.2f} s"]
+    for r in report["order"]:
+        rows[f"packed {r['packed']}, window {r['window']}"] = [
+            f"{r['mean']:.4f}", f"{r['mean_loss']:.4f}"
+        ]
+    return rows
+
+
+def test_the_docs_quote_the_committed_shard_results():
+    report = json.loads((ROOT / "bench" / "results" / "shards-cpu.json").read_text())
+    quoted = _quoted("### Shards, measured here")
+    for name, cells in shard_rows(report).items():
+        assert quoted.get(name) == cells, name

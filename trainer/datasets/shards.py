@@ -396,18 +396,23 @@ class ShardSplit:
             seen = os.path.join(self.seen, f"{info.sha256}-{st.st_dev}-{st.st_ino}-"
                                 f"{st.st_size}-{st.st_mtime_ns}")  # fmt: skip
             if not os.path.exists(seen):
-                got = storage.sha256_file(path)
-                if got != info.sha256:
-                    raise UsageError(
-                        f"data.shards: shard {path} is damaged (its sha256 {got[:12]}... is not "
-                        f"the index's {info.sha256[:12]}...): {PACK_FIX}"
-                    )
-                with contextlib.suppress(OSError):  # no marker: the next process hashes again
-                    open(seen, "wb").close()
+                with _locked(os.path.join(self.seen, f".{info.sha256}.lock")):  # one hashes
+                    if not os.path.exists(seen):
+                        self._check(path, info)
+                        with contextlib.suppress(OSError):  # no marker: hashed again next time
+                            open(seen, "wb").close()
         except OSError as e:
             raise io_error(e, f"data.shards: reading shard {path}", PACK_FIX) from None
         self._verified.add(shard)
         return path
+
+    def _check(self, path: str, info: ShardInfo) -> None:
+        got = storage.sha256_file(path)
+        if got != info.sha256:
+            raise UsageError(
+                f"data.shards: shard {path} is damaged (its sha256 {got[:12]}... is not the "
+                f"index's {info.sha256[:12]}...): {PACK_FIX}"
+            )
 
     def _map(self, shard: int) -> np.ndarray:
         """Shard `shard`'s bytes, mapped (the last few stay mapped; an evicted one's space is
