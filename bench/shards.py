@@ -322,7 +322,8 @@ def run(quick: bool) -> dict:
             got = {r["reader"]: r["samples_per_s"] for r in rows
                    if r["source"] == source and r["cache"] == cache and r["world"] == world}  # fmt: skip
             anchor = max(got["streaming"], got["litdata"])
-            ratios[f"{source} {cache} world {world}"] = got["ours"] / anchor
+            where = source if cache == "-" else f"{source} {cache}"
+            ratios[f"{where} world {world}"] = got["ours"] / anchor
     return {"images": n, "shard_mb": SHARD_MB, "batch": BATCH, "workers": WORKERS, "rows": rows,
             "ours_over_faster_anchor": ratios, "resume": resumes, "order": order}  # fmt: skip
 
