@@ -413,7 +413,8 @@ def shard_rows(report: dict) -> dict[str, list[str]]:
         rows[f"{r['reader']}, resumed at {r['at']:.0%}"] = [f"{r['first_batch_s']:.2f} s"]
     for r in report["order"]:
         rows[f"packed {r['packed']}, window {r['window']}"] = [
-            f"{r['mean']:.4f}", f"{r['mean_loss']:.4f}"
+            f"{r['mean']:.4f}",
+            f"{r['mean_loss']:.4f}",
         ]
     return rows
 

@@ -116,7 +116,6 @@ def test_pack_is_deterministic_webdataset_tar_and_reads_back_the_source(packed, 
     cfg = load(None, ["data.name=imagefolder", f"data.root={packed.parent / 'images'}",
                       "data.image_size=8"])  # fmt: skip
     from trainer.datasets.folder import imagefolder
-
     from trainer.datasets.pack import packing_order
 
     source = imagefolder(cfg.data, 0)
@@ -424,3 +423,29 @@ def test_from_a_bucket_a_damaged_or_truncated_shard_is_exit_2_an_outage_is_exit_
     saved = [r for r in helpers.read_jsonl(run_dir / "metrics.jsonl")
              if r.get("kind") == "checkpoint"]  # fmt: skip
     assert saved and saved[-1]["reason"] == "data unavailable", (out, saved)
+
+
+@pytest.mark.shards
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_data_ahead_that_cannot_be_read_stops_every_rank_at_one_step_with_a_checkpoint_exit_4(
+    tmp_path, nproc
+):
+    run_dir = tmp_path / "run"
+    p = helpers.trainer(
+        "train", "data.name=tests.shard_plugins:tiny_failing", "model.name=tests.helpers:tiny_model",
+        "data.global_batch_size=2", "train.epochs=3", "ckpt.every_epochs=0", f"run_dir={run_dir}",
+        "log.progress=none", "log.tensorboard=false", nproc=nproc, check=False,
+        extra_env={"TRAINER_TEST_UNAVAILABLE_AFTER": "3"},
+    )  # fmt: skip
+    out = p.stdout + p.stderr
+    assert "cannot reach the S3 endpoint" in out and "checkpoint" in out and "saved" in out, out
+    if nproc is None:
+        assert p.returncode == 4 and "Traceback" not in out, out
+    else:  # bare torchrun exits 1 (with its own traceback) for ranks that exited 4
+        assert "exitcode: 4" in out and "[rank 1] data.shards: reading shard" in out, out
+    records = helpers.read_jsonl(run_dir / "metrics.jsonl")
+    stops = [r for r in records if r.get("kind") == "stop"]
+    saves = [r for r in records if r.get("kind") == "checkpoint"]
+    assert stops and stops[0]["signal"] == "data unavailable", records
+    assert saves[-1]["reason"] == "data unavailable" and saves[-1]["step"] == stops[0]["step"]
+    assert 3 <= stops[0]["step"] < 15  # stopped mid-run, at one step on every rank

@@ -134,6 +134,7 @@ def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: Stop
         state.step_in_epoch += 1
         state.samples_seen += count
         run.log.tick(state.step, state.epoch + 1)  # epoch_of(state) within an epoch
+        _data_trouble(run)
         if state.step < due:  # no record, evaluation or save: only a stop can fall due
             if vote.poll(state.step):
                 _stop_if_asked(run, clock, True)
@@ -141,6 +142,15 @@ def _train_epoch(run: Run, plan, losses: LossSums, clock: TrainClock, vote: Stop
         if _after_due_step(run, losses, clock, vote):
             return
         due = next_due(run.cfg, state.step, run.total_steps)
+
+
+def _data_trouble(run: Run) -> None:
+    """Data this rank fetches ahead that cannot be read (a split's `unavailable`: the shards'
+    prefetch gave up): a stop request the ranks vote on, so that all save at the same step and
+    stop (exit 4) while the batches already fetched last."""
+    why = getattr(run.data.train, "unavailable", None)
+    if why is not None and not run.stop.requested:
+        run.stop.request_data_stop(str(why))
 
 
 def _or_saved(run: Run, clock: TrainClock, batches):
@@ -323,6 +333,13 @@ def _stop_if_asked(run: Run, clock: TrainClock, agreed: bool) -> None:
         return
     name, step = run.stop.name, run.state.step
     run.ckpt.wait()
+    if run.stop.data_stop:  # the data cannot be read: a retry's (exit 4), not a signal's
+        why = run.stop.why or "another rank's training data could not be read"
+        if run.ckpt.on_disk(step):
+            raise DataUnavailable(f"{why}; stopped at step {step}, which is saved: {run.to_resume}")
+        path = _save(run, clock, DATA_UNAVAILABLE, must_succeed=True)
+        run.log.record({"kind": "stop", "step": step, "signal": name})
+        raise DataUnavailable(f"{why}; checkpoint {path} saved: {run.to_resume}")
     if run.ckpt.on_disk(step):  # e.g. signalled during setup: nothing new to save
         raise Preempted(f"stopped by {name} at step {step} before training on")
     path = _save(run, clock, Reason.signal(name), must_succeed=True)

@@ -25,6 +25,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 PERIOD_S = 0.2
 """Seconds of training between stop votes (StopVote.cadence)."""
 MAX_EVERY = 1000
+DATA_UNAVAILABLE = 1 << 10
+"""The vote's code (above every signal number) for 'a rank's data cannot be read': the ranks stop
+together after a checkpoint, with exit 4 (loop._stop_if_asked)."""
 NEVER = 2**62
 """A vote's step for 'no signal seen' (StopSignal._flag)."""
 
@@ -49,8 +52,24 @@ class StopSignal:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def request_data_stop(self, why: str) -> None:
+        """Ask the ranks to stop (a checkpoint, then exit 4) because this rank's data cannot be
+        read (a bucket's outage outlasted the retries of the shards it fetches ahead)."""
+        if self.signum is None:
+            self.signum, self.why = DATA_UNAVAILABLE, why
+
+    why: str = ""
+    """This rank's reason for a data stop (request_data_stop)."""
+
+    @property
+    def data_stop(self) -> bool:
+        return (self.signum or self.agreed_signum) == DATA_UNAVAILABLE
+
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
+        if self.signum == DATA_UNAVAILABLE:  # a signal as well: a signal's stop (exit 3)
+            self.signum, self._first_at = signum, now
+            return
         if self.signum is None:
             self.signum, self._first_at = signum, now
         elif now - self._first_at > self.debounce_s:
@@ -66,6 +85,8 @@ class StopSignal:
     def name(self) -> str:
         """The signal that stopped the run: this rank's, or the one the ranks agreed on."""
         signum = self.signum or self.agreed_signum
+        if signum == DATA_UNAVAILABLE:
+            return "data unavailable"
         return signal.Signals(signum).name if signum else "none"
 
     agreed_signum: int | None = None

@@ -476,6 +476,13 @@ class ShardSplit:
 
     # prefetch: the shards this process's next steps need, fetched on a thread ahead of them
 
+    @property
+    def unavailable(self) -> DataUnavailable | None:
+        """Why the shards ahead cannot be fetched (the prefetch gave up), or None: the loop
+        turns it into a stop the ranks agree on (a checkpoint, then exit 4)."""
+        p = self._prefetcher
+        return p.error if p is not None and isinstance(p.error, DataUnavailable) else None
+
     def prefetch(self, steps: list[np.ndarray]) -> _Prefetcher | None:
         """Start fetching, in the order they are first needed, the shards of `steps` (this
         rank's samples of each step ahead): at most data.shards.window shards beyond the one
