@@ -27,8 +27,8 @@ LAYERS = [
     "repro optim models tasks data ranks parallel.dims",  # dims: the layout, described once
     "parallel.mesh parallel.fixedtree strategy",
     "datasets.synthetic datasets.tabular datasets.vision datasets.text datasets.arrays "
-    "tracking.tracker parallel.parts parallel.tensor",
-    "datasets.folder datasets.tokens evaluate doctor tracking parallel.stages parallel.tied "
+    "datasets.shards tracking.tracker parallel.parts parallel.tensor",
+    "datasets.folder datasets.tokens datasets.pack evaluate doctor tracking parallel.stages parallel.tied "
     "parallel.clip namedstate",  # namedstate: saved state keyed by name, every layout
     "state step parallel.apply",  # the Stateful parts; one optimizer step; parallelize
     "parallel.pipeline",

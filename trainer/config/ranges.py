@@ -69,6 +69,8 @@ RANGES: dict[str, Range] = {
     "data.crop_padding": Range(0, 1024),
     "data.image_size": Range(1, 8192),
     "data.num_workers": Range(0, 1024),
+    "data.shards.window": Range(0, 2**20),
+    "data.shards.cache_gb": Range(0.0, 2.0**20, lo_open=True),
     "model.gpt.layers": Range(1, 1024),
     "model.gpt.width": Range(1, 2**16),
     "model.gpt.heads": Range(1, 1024),
@@ -109,6 +111,7 @@ RANGES: dict[str, Range] = {
 NONEMPTY = frozenset(
     {"name", "run_dir", "data.name", "data.root", "data.text.path", "model.name", "ckpt.dir"}
     | {"ckpt.resume", "ckpt.init_weights", "data.tokens.path", "data.arrays.path", "task.name"}
+    | {"data.shards.path", "data.shards.cache_dir"}
     | {"log.mlflow.uri", "log.mlflow.experiment", "log.mlflow.run_name"}
     | {"log.wandb.project", "log.wandb.entity"}
 )

@@ -119,10 +119,6 @@ class ShardsConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "data.shards.")
-        if self.window < 0:
-            raise UsageError(f"data.shards.window={self.window}: must be >= 0 (0: a full shuffle)")
-        if not self.cache_gb > 0:
-            raise UsageError(f"data.shards.cache_gb={self.cache_gb}: must be > 0, e.g. 8")
 
 
 @dataclass(kw_only=True)

@@ -211,9 +211,7 @@ def _pack_splits(spec, work: str, out: str, shard_mb: float, shuffle_seed, say) 
     splits, fields, kind = {}, None, None
     for split_name in fmt.SPLITS:
         split = getattr(spec, split_name)
-        n = len(split)
-        first = split.take(np.arange(min(n, 1), dtype=np.int64))
-        kind_, names, tensors = _fields(first)
+        kind_, names, tensors = _fields(split.take(np.arange(min(len(split), 1), dtype=np.int64)))
         arrays = [_numpy(t, names[i]) for i, t in enumerate(tensors)]
         these = [
             fmt.Field(nm, str(a.dtype), tuple(a.shape[1:]), len(_npy_header(a[0])))
@@ -226,38 +224,20 @@ def _pack_splits(spec, work: str, out: str, shard_mb: float, shuffle_seed, say) 
                 "trainer data pack: the train and test splits' samples differ in fields, dtype "
                 "or shape: make both splits return the same"
             )
-        layout = fmt.Layout(tuple(fields), kind, {}, {})
-        per_shard = max(1, int(shard_mb * 2**20) // layout.stride)
-        headers = [_npy_header(a[0]) for a in arrays]
-        writer = _ShardWriter(work, split_name, per_shard, names)
+        writer = _ShardWriter(work, split_name, 1, names)
         if storage.is_url(out):
             writer.on_shard = _uploader(out)
-        chunk = max(1, min(per_shard, (16 << 20) // layout.stride))
-        order = packing_order(n, shuffle_seed if split_name == "train" else None)
-        for lo in range(0, n, chunk):
-            hi = min(n, lo + chunk)
-            _, _, got = _fields(split.take(order[lo:hi]))
-            got = [_numpy(t, names[i]) for i, t in enumerate(got)]
-            for a, f in zip(got, fields, strict=True):
-                if str(a.dtype) != f.dtype or tuple(a.shape[1:]) != f.shape or len(a) != hi - lo:
-                    raise UsageError(
-                        f"trainer data pack: field {f.name} of samples {lo}..{hi - 1} is "
-                        f"{a.dtype} {tuple(a.shape[1:])}, not {f.dtype} {f.shape} as sample 0's: "
-                        "every sample of a field needs one dtype and shape (pad or crop them in "
-                        "the dataset)"
-                    )
-            for j in range(hi - lo):
-                writer.add(lo + j, [(h, a[j]) for h, a in zip(headers, got, strict=True)])
-        writer.close()
+        order = packing_order(len(split), shuffle_seed if split_name == "train" else None)
+        _write_split(split, order, fields, [_npy_header(a[0]) for a in arrays], writer, shard_mb)
         splits[split_name] = [vars(s) for s in writer.done]
         total = sum(s.bytes for s in writer.done)
-        say(f"{split_name}: {n} samples in {len(writer.done)} shards, {total / 2**20:.1f} MiB")
-    train = spec.train
+        say(f"{split_name}: {len(split)} samples in {len(writer.done)} shards, "
+            f"{total / 2**20:.1f} MiB")  # fmt: skip
     stats = None
-    if hasattr(train, "mean"):
+    if hasattr(spec.train, "mean"):
         stats = [
             None if t is None else [float(v) for v in t.reshape(-1)]
-            for t in (train.mean, train.std)
+            for t in (spec.train.mean, spec.train.std)
         ]
     return {
         "format": fmt.FORMAT,
@@ -275,6 +255,30 @@ def _pack_splits(spec, work: str, out: str, shard_mb: float, shuffle_seed, say) 
         },
         "splits": splits,
     }
+
+
+def _write_split(split, order, fields, headers, writer: _ShardWriter, shard_mb: float) -> None:
+    """The samples of `split` in `order`, read a chunk at a time, into `writer`'s shards of
+    `shard_mb` each."""
+    stride = fmt.Layout(tuple(fields), "tuple", {}, {}).stride
+    writer.per_shard = max(1, int(shard_mb * 2**20) // stride)
+    chunk = max(1, min(writer.per_shard, (16 << 20) // stride))
+    n = len(order)
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        _, names, got = _fields(split.take(order[lo:hi]))
+        got = [_numpy(t, names[i]) for i, t in enumerate(got)]
+        for a, f in zip(got, fields, strict=True):
+            if str(a.dtype) != f.dtype or tuple(a.shape[1:]) != f.shape or len(a) != hi - lo:
+                raise UsageError(
+                    f"trainer data pack: field {f.name} of samples {lo}..{hi - 1} is "
+                    f"{a.dtype} {tuple(a.shape[1:])}, not {f.dtype} {f.shape} as sample 0's: "
+                    "every sample of a field needs one dtype and shape (pad or crop them in "
+                    "the dataset)"
+                )
+        for j in range(hi - lo):
+            writer.add(lo + j, [(h, a[j]) for h, a in zip(headers, got, strict=True)])
+    writer.close()
 
 
 def _numpy(t, name: str) -> np.ndarray:
