@@ -208,10 +208,18 @@ def test_cache_evicts_least_recently_used_and_sweeps_dead_partial_downloads(
     monkeypatch.setattr(storage, "get_file", get_file)
     folder = tmp_path / "cache"
     folder.mkdir()
-    dead = folder / ".part-999999999-abc"  # a download a SIGKILL cut short
+    dead = folder / ".part-1-abc-100"  # a download a SIGKILL cut short: nobody holds it
     dead.write_bytes(b"x" * 100)
+    live = folder / f".part-{os.getpid()}-def-100"  # one in progress: its lock is held
+    live.write_bytes(b"x" * 100)
+    held = os.open(live, os.O_RDONLY)
+    import fcntl
+
+    fcntl.flock(held, fcntl.LOCK_EX)
     cache = fmt.Cache(str(folder), limit=3 * infos[0].bytes)
-    assert not dead.exists()
+    assert not dead.exists() and live.exists()
+    os.close(held)
+    live.unlink()
     for i in (0, 1, 2, 0, 3):  # 0 used again after 2: 1 is the least recently used at 3
         cache.fetch(f"s3://b/p/{infos[i].name}", infos[i])
         time.sleep(0.01)
@@ -230,10 +238,11 @@ def test_cache_evicts_least_recently_used_and_sweeps_dead_partial_downloads(
     assert not list(folder.glob(".part-*")) and not (folder / f"{infos[5].sha256}.tar").exists()
     # a full disk: one line naming the settings, nothing left behind
 
-    def full(fd, offset, length):
-        raise OSError(errno.ENOSPC, "No space left on device")
+    def full(url, path):
+        Path(path).write_bytes(b"x" * 10)
+        raise storage.BucketError(errno.ENOSPC, f"writing {path}: No space left on device")
 
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(storage, "get_file", full)
     with pytest.raises(
         UsageError, match="No space left on device: free space there, or set data.shards.cache_dir"
     ):

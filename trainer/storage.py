@@ -380,10 +380,17 @@ def get_file(url: str, path: str) -> str:
         bucket, key = split(url)
         body = client().get_object(Bucket=bucket, Key=key)["Body"]
         h = hashlib.sha256()
-        with open(path, "wb") as f:
+        try:
+            f = open(path, "wb")  # noqa: SIM115 (closed below; a failed write is not retried)
+        except OSError as e:
+            raise BucketError(e.errno, f"writing {path}: {e.strerror}") from None
+        with f:
             for block in body.iter_chunks(CHUNK):
                 h.update(block)
-                f.write(block)
+                try:
+                    f.write(block)
+                except OSError as e:  # a full local disk: no retry clears it
+                    raise BucketError(e.errno, f"writing {path}: {e.strerror}") from None
         return h.hexdigest()
 
     return retried(f"reading {url}", download)

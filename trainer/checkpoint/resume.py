@@ -31,6 +31,8 @@ RESUMABLE_CHANGES = (
     "data.root",
     "data.download",
     "data.num_workers",
+    "data.shards.cache_dir",  # where a node keeps the shards, and how many: not which are read
+    "data.shards.cache_gb",
     "data.pin_memory",
     "data.persistent_workers",
     "data.device_resident",

@@ -177,16 +177,25 @@ class Cache:
         self.sweep()
 
     def sweep(self) -> list[str]:
-        """Remove the partial downloads (and the places they held) of processes that are gone
-        (a SIGKILL mid-download)."""
+        """Remove the partial downloads of processes that are gone (a SIGKILL mid-download):
+        a download holds a lock on its file while it lasts, so one that can be locked is
+        dead, whatever its process id says (another container's, or one reused)."""
         gone = []
         for name in _listdir(self.folder):
             if name.startswith((".part-", ".place-")):
-                pid = name.split("-")[1]
-                if pid.isdigit() and not _alive(int(pid)):
-                    with contextlib.suppress(OSError):
-                        os.remove(os.path.join(self.folder, name))
-                        gone.append(name)
+                full = os.path.join(self.folder, name)
+                try:
+                    fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+                except OSError:
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    os.remove(full)
+                    gone.append(name)
+                except OSError:
+                    pass  # held: a download in progress
+                finally:
+                    os.close(fd)
         return gone
 
     def path(self, sha: str) -> str:
@@ -195,64 +204,60 @@ class Cache:
     def fetch(self, url: str, info: ShardInfo) -> str:
         """The local path of shard `info` (from `url`), downloaded if this node lacks it."""
         path = self.path(info.sha256)
-        if _touch(path):
-            return path
-        with _locked(os.path.join(self.folder, f".{info.sha256}.lock")):
-            if _touch(path):  # another process on this node fetched it meanwhile
+        what = f"data.shards: caching {url} in {self.folder}"
+        try:
+            if _touch(path):
                 return path
-            part = os.path.join(self.folder, f".part-{os.getpid()}-{info.sha256[:16]}")
-            held = part  # until _make_room returns the file that holds this download's place
-            try:
-                held = self._make_room(info.bytes)
-                with _unavailable(), storage.explained(f"data.shards: reading shard {url}"):
-                    got = storage.get_file(url, part)
-                if got != info.sha256:
-                    raise UsageError(
-                        f"data.shards: shard {url} is damaged (its sha256 {got[:12]}... is not "
-                        f"the index's {info.sha256[:12]}...): {PACK_FIX}"
-                    )
-                os.rename(part, path)
-                os.remove(held)
-            except OSError as e:
-                what = f"data.shards: caching {url} in {self.folder}"
-                if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the same again would fail again
-                    raise UsageError(f"{what}: {e.strerror}: {CACHE_FIX}") from None
-                raise io_error(e, what, CACHE_FIX) from None
-            finally:
-                for name in (part, held):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(name)
+            with _locked(os.path.join(self.folder, f".{info.sha256}.lock")):
+                if _touch(path):  # another process on this node fetched it meanwhile
+                    return path
+                self._download(url, info, path)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # the same again would fail again
+                raise UsageError(f"{what}: {e.strerror}: {CACHE_FIX}") from None
+            raise io_error(e, what, CACHE_FIX) from None
         return path
 
-    def _make_room(self, size: int) -> str:
-        """Evict the least recently used shards until `size` more bytes fit under the limit,
-        counting the places other downloads hold; returns the file that holds this one's
-        place (`size` bytes allocated: a full disk says so now, not mid-download)."""
+    def _download(self, url: str, info: ShardInfo, path: str) -> None:
+        """Download shard `info` into a part file named with its size (what _make_room counts
+        for it), locked while it lasts, checked, then renamed to `path`."""
+        part = os.path.join(self.folder, f".part-{os.getpid()}-{info.sha256[:16]}-{info.bytes}")
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            self._make_room()
+            with _unavailable(), storage.explained(f"data.shards: reading shard {url}"):
+                got = _local_write_errors(storage.get_file, url, part)
+            if got != info.sha256:
+                raise UsageError(
+                    f"data.shards: shard {url} is damaged (its sha256 {got[:12]}... is not "
+                    f"the index's {info.sha256[:12]}...): {PACK_FIX}"
+                )
+            os.rename(part, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(part)
+            os.close(fd)
+
+    def _make_room(self) -> None:
+        """Evict the least recently used shards until the shards held and the downloads in
+        progress (each counted at its full size) fit under the limit."""
         with _locked(os.path.join(self.folder, ".evict.lock")):
             held, total = [], 0
             for name in _listdir(self.folder):
-                with contextlib.suppress(FileNotFoundError):
-                    st = os.stat(os.path.join(self.folder, name))
-                    if name.endswith(".tar") and not name.startswith("."):
+                with contextlib.suppress(FileNotFoundError, ValueError):
+                    if name.startswith(".part-"):
+                        total += int(name.rsplit("-", 1)[1])
+                    elif name.endswith(".tar") and not name.startswith("."):
+                        st = os.stat(os.path.join(self.folder, name))
                         held.append((st.st_mtime_ns, st.st_size, name))
-                    if name.endswith(".tar") or name.startswith(".place-"):
                         total += st.st_size
-            for _, s, name in sorted(held):
-                if total + size <= self.limit:
+            for _, size, name in sorted(held):
+                if total <= self.limit:
                     break
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(self.folder, name))
-                total -= s
-            place = os.path.join(self.folder, f".place-{os.getpid()}-{threading.get_ident()}")
-            fd = os.open(place, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                os.posix_fallocate(fd, 0, max(1, size))
-            except OSError:
-                os.close(fd)
-                os.remove(place)
-                raise
-            os.close(fd)
-            return place
+                total -= size
 
     def held_bytes(self) -> int:
         return sum(
@@ -260,6 +265,17 @@ class Cache:
             for n in _listdir(self.folder)
             if n.endswith(".tar")
         )
+
+
+def _local_write_errors(get_file, url: str, part: str) -> str:
+    """get_file(url, part), a local write that failed (a full disk) as the OSError it is, not
+    the bucket's fault."""
+    try:
+        return get_file(url, part)
+    except storage.BucketError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OSError(e.errno, os.strerror(e.errno)) from None
+        raise
 
 
 @contextlib.contextmanager
@@ -325,14 +341,15 @@ os.register_at_fork(
 
 @contextlib.contextmanager
 def _locked(path: str):
-    """One holder of `path` at a time on this node: a thread lock within the process, a POSIX
-    lock across processes (never inherited by a forked worker; freed when a process dies)."""
+    """One holder of `path` at a time on this node: a thread lock within the process, flock
+    across processes (freed when a process dies; no worker forks while one is held: the fork
+    gate and the main thread's own calls)."""
     with _GUARD:
         lock = _HELD.setdefault(path, threading.Lock())
     with lock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # per open file: no false EDEADLK between threads
             yield
         finally:
             os.close(fd)
@@ -435,7 +452,7 @@ class ShardSplit:
                 f"{self.shards[shard].bytes} (truncated?): {PACK_FIX}"
             )
         self._maps[shard] = mapped
-        while len(self._maps) > max(4, 2 * self.window + 2):
+        while len(self._maps) > max(4, 2 * _window(self.window, len(self.shards)) + 2):
             self._maps.popitem(last=False)
         return mapped
 
@@ -551,6 +568,11 @@ class _Prefetcher:
 # --- the factory -------------------------------------------------------------------------------
 
 
+def _window(window: int, shards: int) -> int:
+    """The shards an epoch reads at a time: all of them for window 0 (a full shuffle)."""
+    return shards if window <= 0 or window >= shards else window
+
+
 def open_index(root: str) -> tuple[Layout, str]:
     """The Layout of `root`'s index.json, and the sha256 of its bytes."""
     where = storage.join(root, INDEX) if storage.is_url(root) else os.path.join(root, INDEX)
@@ -608,14 +630,15 @@ def shards(cfg, seed: int):
     check_present(root, layout)
     cache = None
     if storage.is_url(root):
-        biggest = max(x.bytes for shards_ in layout.splits.values() for x in shards_)
+        every = [x.bytes for shards_ in layout.splits.values() for x in shards_]
         limit = int(s.cache_gb * (1 << 30))
-        need = (2 * max(1, s.window) + 2) * biggest
+        count = 2 * _window(s.window, len(layout.splits["train"])) + 2
+        need = min(sum(every), count * max(every))  # window 0: a full shuffle reads them all
         if limit < need:
             raise UsageError(
-                f"data.shards.cache_gb={s.cache_gb} holds less than the {2 * max(1, s.window) + 2} "
-                f"shards of {biggest / 2**20:.1f} MiB a window of {s.window} reads and prefetches: "
-                f"set data.shards.cache_gb >= {need / 2**30:.2f} or a smaller data.shards.window"
+                f"data.shards.cache_gb={s.cache_gb} holds less than the {count} shards of "
+                f"{max(every) / 2**20:.1f} MiB a window of {s.window} reads and prefetches: set "
+                f"data.shards.cache_gb >= {need / 2**30:.2f} or a smaller data.shards.window"
             )
         cache = Cache(os.path.abspath(s.cache_dir), limit)
     seen = os.path.join(os.path.abspath(s.cache_dir), "checked")
