@@ -108,15 +108,12 @@ def read_one(reader: str, source: str, cache: str, rank: int, world: int, resume
     """Run in its own process: one epoch of `reader` from `source` (folder or s3:// URL) as rank
     `rank` of `world`; or, with resume_at > 0, the time to the first batch from that fraction of
     the epoch on."""
-    import numpy as np
     import torch
 
     if world > 1:
         import torch.distributed as dist
 
         dist.init_process_group("gloo", rank=rank, world_size=world)
-    started = time.perf_counter()
-    count, first = 0, None
     if reader in ("ours", "arrays"):
         from trainer import data as trainer_data
         from trainer.config import load
@@ -130,13 +127,7 @@ def read_one(reader: str, source: str, cache: str, rank: int, world: int, resume
         spec = trainer_data.build(cfg.data, 0)
         plan = epoch_plan(cfg, len(spec.train), 0, spec.train)
         start = int(len(plan) * resume_at)
-        started = time.perf_counter()
-        for _, batch, _ in trainer_data.train_batches(spec, plan, rank, world, start):
-            count += len(batch[0])
-            if first is None:
-                first = time.perf_counter() - started
-                if resume_at:
-                    break
+        batches = (b[0] for _, b, _ in trainer_data.train_batches(spec, plan, rank, world, start))
     elif reader == "streaming":
         from streaming import StreamingDataset
 
@@ -149,13 +140,7 @@ def read_one(reader: str, source: str, cache: str, rank: int, world: int, resume
             ds.load_state_dict({"epoch": 0, "sample_in_epoch": int(per_rank * world * resume_at),
                                 "num_canonical_nodes": 1,
                                 "shuffle_seed": 1, "initial_physical_nodes": None})  # fmt: skip
-        started = time.perf_counter()
-        for batch in loader:
-            count += len(batch["x"])
-            if first is None:
-                first = time.perf_counter() - started
-                if resume_at:
-                    break
+        batches = (b["x"] for b in loader)
     else:
         from litdata import StreamingDataLoader, StreamingDataset
 
@@ -185,15 +170,22 @@ def read_one(reader: str, source: str, cache: str, rank: int, world: int, resume
                                   storage_options=ds.storage_options)  # fmt: skip
             loader = StreamingDataLoader(ds, batch_size=BATCH, num_workers=WORKERS)
             loader.load_state_dict(state)
-        started = time.perf_counter()
-        for batch in loader:
-            count += len(batch["x"])
-            if first is None:
-                first = time.perf_counter() - started
-                if resume_at:
-                    break
+        batches = (b["x"] for b in loader)
+    return _timed(batches, resume_at)
+
+
+def _timed(batches, resume_at: float) -> dict:
+    """Iterate `batches` (each one's inputs) to the end, or, for a resume, to the first batch:
+    samples, seconds, and the seconds to the first batch."""
+    count, first = 0, None
+    started = time.perf_counter()
+    for x in batches:
+        count += len(x)
+        if first is None:
+            first = time.perf_counter() - started
+            if resume_at:
+                break
     seconds = time.perf_counter() - started
-    _ = np
     return {"samples": count, "seconds": seconds, "first_batch_s": first}
 
 

@@ -155,16 +155,6 @@ def read_index(data: bytes, where: str) -> Layout:
 # --- the cache ---------------------------------------------------------------------------------
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 class Cache:
     """A node's folder of downloaded shards, named by their sha256, at most `limit` bytes."""
 
