@@ -1,4 +1,5 @@
-"""repro.world_invariant: the same bits on 1, 2, 4 and 8 ranks (trainer/invariant.py).
+"""repro.world_invariant: the same bits on 1, 2, 4 and 8 ranks, and on 1, 2 and 3 for 6 shards
+(trainer/invariant.py).
 
 The multi-process tests run the real torchrun at each world size (8 ranks on 2 cores is slow
 but fine for a few steps) and compare per-step losses, eval metrics and final weights with ==.
@@ -59,15 +60,80 @@ def test_subtree_sums_combined_in_the_tree_are_the_full_tree_bit_for_bit(world):
     assert not torch.equal(running, full)
 
 
-def test_a_tree_needs_a_power_of_two_count():
+def _canonical(leaves: list) -> torch.Tensor:
+    """The tree over any count, written from its definition: the maximal aligned blocks of the
+    binary decomposition (largest first), each a pairwise tree, folded right to left."""
+
+    def pairwise(block):
+        if len(block) == 1:
+            return block[0]
+        half = len(block) // 2
+        return pairwise(block[:half]) + pairwise(block[half:])
+
+    blocks, at = [], 0
+    for bit in reversed(range(len(leaves).bit_length())):
+        if len(leaves) >> bit & 1:
+            blocks.append(pairwise(leaves[at : at + 2**bit]))
+            at += 2**bit
+    acc = blocks[-1]
+    for left in reversed(blocks[:-1]):
+        acc = left + acc
+    return acc
+
+
+def test_a_tree_over_any_count_folds_its_aligned_blocks_right_to_left():
+    t = [torch.tensor([float(i)]) for i in range(7)]
     with pytest.raises(ValueError):
-        invariant.tree_sum([torch.ones(1)] * 3)
+        invariant.tree_sum([])
+    assert invariant.tree_sum(t[:1]) is t[0]
+    assert torch.equal(invariant.tree_sum(t[:3]), (t[0] + t[1]) + t[2])
+    six = ((t[0] + t[1]) + (t[2] + t[3])) + (t[4] + t[5])
+    assert torch.equal(invariant.tree_sum(t[:6]), six)
+    seven = ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + t[6])
+    assert torch.equal(invariant.tree_sum(t), seven)
+    # A rank's blocks: [3, 6) of 6 ends with [3, 4) and [4, 6); [2, 4) with one block.
+    assert invariant.piece_levels(3, 6) == [0, 1] and invariant.piece_levels(2, 4) == [1]
+    assert invariant.piece_levels(0, 12) == [3, 2] and invariant.piece_levels(6, 12) == [1, 2]
+    with pytest.raises(ValueError, match="cannot start at position 1"):
+        invariant.ListTree(start=1).add([torch.ones(1)], level=1)
+
+
+def test_any_ranks_pieces_fed_with_their_levels_are_the_leaves_tree_bit_for_bit():
+    """Every K in 1..24 and every W dividing it: each rank's ListTree over its block from its
+    first shard, then all ranks' pieces in rank order, with their levels, in one tree from 0:
+    the same bits as the K leaves fed one by one, and as the tree's definition (_canonical)."""
+    g = torch.Generator().manual_seed(0)
+    for k in range(1, 25):
+        leaves = [torch.randn(257, generator=g) * 10 ** float(i % 5) for i in range(k)]
+        whole = invariant.ListTree()
+        for t in leaves:
+            whole.add([t.clone()])
+        reference = whole.result()[0]
+        assert torch.equal(reference, _canonical(leaves)), k
+        for world in (w for w in range(1, k + 1) if k % w == 0):
+            tree = invariant.ListTree()
+            for rank in range(world):
+                block = invariant.rank_shards(rank, world, k)
+                local = invariant.ListTree(start=block.start)
+                for i in block:
+                    local.add([leaves[i].clone()])
+                pieces = local.pieces()
+                assert [lv for lv, _ in pieces] == invariant.piece_levels(block.start, block.stop)
+                for level, items in pieces:
+                    tree.add(items, level)
+            assert torch.equal(tree.result()[0], reference), (k, world)
+    # The order matters at all (else the test would prove nothing): a running sum differs.
+    running = leaves[0].clone()
+    for t in leaves[1:]:
+        running = running + t
+    assert not torch.equal(running, reference)
 
 
 @pytest.mark.parametrize("count", [0, 1, 5, 7, 8, 9, 63, 64, 100])
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_a_ranks_slice_is_exactly_its_block_of_shards(count, world):
-    shards = 8
+@pytest.mark.parametrize(
+    "shards, world", [(8, 1), (8, 2), (8, 4), (8, 8), (6, 2), (6, 3), (6, 6), (12, 4)]
+)
+def test_a_ranks_slice_is_exactly_its_block_of_shards(count, shards, world):
     for rank in range(world):
         lo, hi = sampler.chunk_bounds(count, rank, world)
         block = invariant.rank_shards(rank, world, shards)
@@ -134,20 +200,28 @@ def test_batchnorm_shards_of_one_sample_are_refused_before_training(tmp_path):
     assert "raise data.global_batch_size to at least 16" in p.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("shards", [0, 3, 6, -8])
-def test_shards_must_be_a_power_of_two(shards):
-    with pytest.raises(ConfigError, match="must be a power of two"):
+@pytest.mark.parametrize("shards", [0, -8, 2**16 + 1])
+def test_shards_must_be_a_positive_count(shards):
+    with pytest.raises(ConfigError, match=r"repro.shards: must be > 0 and <= 2\*\*16"):
         config.load(None, [f"repro.shards={shards}"])
+    assert [config.load(None, [f"repro.shards={k}"]).repro.shards for k in (3, 6)] == [3, 6]
 
 
 def test_config_check_names_the_world_sizes_that_fit(capsys):
     from trainer import cli
 
-    args = ["config", "check", "--world-size=3", "repro.world_invariant=true"]
-    assert cli.main(args) == 2
-    err = capsys.readouterr().err
-    assert "run on 1, 2, 4, 8 ranks" in err
-    assert cli.main(["config", "check", "--world-size=4", "repro.world_invariant=true"]) == 0
+    def check(world, *args):
+        code = cli.main(["config", "check", f"--world-size={world}", "repro.world_invariant=true",
+                         "data.global_batch_size=48", *args])  # fmt: skip
+        return code, capsys.readouterr().err.strip()
+
+    code, err = check(3)
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "run on 1, 2, 4, 8 ranks" in err and "repro.shards=24" in err
+    code, err = check(4, "repro.shards=6")
+    assert code == 2 and "run on 1, 2, 3, 6 ranks" in err and "repro.shards=12" in err, err
+    assert check(4)[0] == 0
+    assert check(3, "repro.shards=6")[0] == 0 and check(4, "repro.shards=12")[0] == 0
 
 
 # --- the same bits on 1, 2, 4 and 8 ranks ------------------------------------------------------
@@ -230,6 +304,18 @@ def test_worlds_1_2_and_8_train_the_same_bits(runs, args, worlds):
     assert len(ref["train"]) == 6
     for world in worlds:
         _assert_identical(runs(world, *args, *ON), ref)
+
+
+@pytest.mark.slow
+def test_six_shards_train_the_same_bits_on_1_2_and_3_ranks(tmp_path):
+    """repro.shards=6, not a power of two: on 2 ranks each block ([0,3), [3,6)) is two aligned
+    subtrees, sent as two pieces; on 3 ranks one pair each. Micro-steps and a binding clip (ON);
+    3 steps, so later steps start from weights the tree made."""
+    args = [*MLP, *ON, "repro.shards=6", "data.global_batch_size=48", "train.max_steps=3"]
+    ref = _run(tmp_path, 1, *args)
+    assert len(ref["train"]) == 3
+    for world in (2, 3):
+        _assert_identical(_run(tmp_path, world, *args), ref)
 
 
 @pytest.mark.slow
@@ -436,3 +522,71 @@ def test_a_cpu_runs_shard_gradients_keep_freed_memory():
         invariant.ShardedGradients(torch.nn.Linear(2, 2), rank=0, world_size=1, shards=8)
     assert asked
     assert invariant.keep_freed_memory()
+
+
+# --- ShardedGradients on any world size dividing the shards ----------------------------------
+
+
+def _rank_step(world: int, rank: int, grouped: bool, gathered: dict) -> dict:
+    """One step of ShardedGradients with 6 shards of 5 samples as rank `rank` of `world` in this
+    process: the all-gather returns `gathered` (every rank's vector, once each rank has run) or,
+    while they are being collected, this rank's own vector W times; records it in `gathered`."""
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 3)
+    )
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(30, 8, generator=g), torch.randint(0, 3, (30,), generator=g)
+    shards = invariant.ShardedGradients(model, rank=rank, world_size=world, shards=6,
+                                        grouped=grouped)  # fmt: skip
+
+    def loss_of(piece):
+        loss = torch.nn.functional.cross_entropy(model(piece[0]), piece[1], reduction="sum")
+        return loss / 30, loss.detach().float()
+
+    seed = lambda k: invariant.seed_shard(0, 0, k, "cpu")  # noqa: E731
+    mine = [(k, (x[5 * k : 5 * k + 5], y[5 * k : 5 * k + 5])) for k in shards.shards_here()]
+    if grouped:
+        assert shards.run_grouped(mine, 2, loss_of, seed)
+    else:
+        shards.begin(fold=True)
+        for k, piece in mine:
+            shards.start_shard()
+            seed(k)
+            root, local = loss_of(piece)
+            root.backward()
+            shards.end_shard(local)
+
+    def all_gather(flat, world_size):
+        gathered.setdefault(rank, flat.clone())
+        if len(gathered) < world_size:
+            return [flat.clone() for _ in range(world_size)]
+        return [gathered[r].clone() for r in range(world_size)]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(invariant, "all_gather", all_gather)
+        losses = shards.combine()
+    return {"grads": [p.grad for p in model.parameters()], "buffers": list(model.buffers()),
+            "losses": losses, "fold": shards._fold}  # fmt: skip
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["shard-loop", "grouped"])
+def test_six_shards_give_every_rank_of_worlds_1_2_3_and_6_the_one_process_sums(grouped):
+    """Rank blocks [0,6); [0,3),[3,6) (not aligned subtrees: 2 pieces each); [0,2),[2,4),[4,6);
+    one shard each. Gradients, BatchNorm buffers and shard losses: the same bits on every rank as
+    in one process. The shard loop folds pairs into autograd only where a rank's block is pairs
+    (worlds 1 and 3)."""
+    ref = _rank_step(1, 0, False, {})
+    assert ref["fold"]
+    for world in (1, 2, 3, 6):
+        gathered: dict = {}
+        for _ in range(2):  # collect every rank's vector, then combine with them
+            got = [_rank_step(world, rank, grouped, gathered) for rank in range(world)]
+        for rank, run in enumerate(got):
+            assert run["fold"] == (not grouped and world in (1, 3)), (world, rank)
+            assert torch.equal(run["losses"], ref["losses"]), (world, rank)
+            for a, b in zip(run["grads"] + run["buffers"], ref["grads"] + ref["buffers"],
+                            strict=True):  # fmt: skip
+                assert torch.equal(a, b), (world, rank)

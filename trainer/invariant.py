@@ -1,18 +1,24 @@
-"""repro.world_invariant: the same bits on 1, 2, 4, ... ranks.
+"""repro.world_invariant: the same bits on every world size that divides repro.shards.
 
 DDP sums gradients in an order that depends on the world size, and floating-point addition is
 not associative, so world sizes agree only to about 1e-7. In this mode each global batch is cut
 into K = repro.shards fixed shards (sampler.chunk_bounds over K, whatever the world size); rank r
-of W computes the gradients of shards [r*K/W, (r+1)*K/W), one shard at a time, and the K shard
-gradients are added in one fixed pairwise tree over the shard index:
+of W (W dividing K) computes the gradients of shards [r*K/W, (r+1)*K/W), one shard at a time, and
+the K shard gradients are added in one fixed tree over the shard index, a binary counter:
 
     K=8:  ((g0+g1)+(g2+g3)) + ((g4+g5)+(g6+g7))
+    K=6:  ((g0+g1)+(g2+g3)) + (g4+g5)
 
-Each rank's shards are a subtree (a contiguous, power-of-two block), so a rank adds its own
-shards locally, the W subtree sums are all-gathered, and every rank adds them in the same tree.
-A shard's gradient is the same bits on whichever rank computes it (same samples, same shapes,
-same kernels, same weights, and dropout drawn from (seed, step, shard)), so the sum, the clip,
-the optimizer step and the next weights are the same bits for every W that divides K.
+A node at level j covering shards [m*2^j, (m+1)*2^j) is added to its left sibling when m is odd;
+for a K that is not a power of two the maximal aligned blocks left at the end (K's binary
+digits, largest first) are folded right to left. A rank adds its own shards in the same counter,
+started at its first shard: it ends with the aligned blocks of its range (one block when K/W is a
+power of two; [3,6) -> [3,4), [4,6)). Every rank's blocks are all-gathered and every rank feeds
+them, in shard order with their levels, into the same counter, which makes the same additions as
+feeding the K shard gradients one by one. A shard's gradient is the same bits on whichever rank
+computes it (same samples, same shapes, same kernels, same weights, and dropout drawn from
+(seed, step, shard)), so the sum, the clip, the optimizer step and the next weights are the same
+bits for every W that divides K.
 
 Floating buffers (BatchNorm's running statistics) get the same treatment: every shard starts from
 the step's buffers (BatchNorm normalises with the shard's own statistics: ghost batch norm), and
@@ -20,8 +26,9 @@ the shards' updated buffers are averaged in the tree. The K shard losses are gat
 in shard order in float64 for logging.
 
 Cost: K/W forward+backward passes of B/K samples instead of one of B/W per rank (smaller kernels),
-and an all-gather of W gradient-sized vectors instead of DDP's bucketed all-reduce (which overlaps
-the backward); docs/training.md and bench/ give numbers.
+and an all-gather of W gradient-sized vectors (W times the most blocks a rank's range has where
+K/W is not a power of two: up to about 2*log2(K/W)) instead of DDP's bucketed all-reduce (which
+overlaps the backward); docs/training.md and bench/ give numbers.
 """
 
 from __future__ import annotations
@@ -34,10 +41,6 @@ import numpy as np
 import torch
 
 from trainer.sampler import chunk_bounds
-
-
-def is_power_of_two(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
 
 
 def rank_shards(rank: int, world_size: int, shards: int) -> range:
@@ -84,25 +87,68 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(_M_MMAP_THRESHOLD, 32 << 20) and mallopt(_M_TRIM_THRESHOLD, 256 << 20))
 
 
-class TreeSum:
-    """Adds tensors fed in index order in a fixed pairwise tree (a binary counter): after
-    2**n inputs, `result()` is ((t0+t1)+(t2+t3))+... however the inputs were grouped upstream."""
+class _Counter:
+    """A binary counter over positions start, start+1, ...: `add(x, level)` feeds a node of
+    2**level leaves at the current position (aligned to 2**level); a node with index m (position
+    >> level) is added to the node before it when m is odd and that node is on the same level,
+    its left sibling. What is left at the end (`pieces()`) are the maximal aligned blocks of the
+    positions fed; `result()` folds them right to left. From 0 to a power of two that is the
+    pairwise tree ((t0+t1)+(t2+t3))+..., however the inputs were grouped upstream."""
 
-    def __init__(self) -> None:
-        self._stack: list[tuple[int, torch.Tensor]] = []
+    def __init__(self, start: int = 0) -> None:
+        self._stack: list[tuple[int, object]] = []
+        self._pos: int | None = start
 
-    def add(self, t: torch.Tensor) -> None:
-        level = 0
-        while self._stack and self._stack[-1][0] == level:
+    def _merge(self, left, right):
+        raise NotImplementedError
+
+    def add(self, x, level: int = 0) -> None:
+        pos = self._pos
+        if pos is None:
+            raise ValueError("a tree sum takes no input after its result")
+        if pos % (1 << level):
+            raise ValueError(f"a node of 2**{level} inputs cannot start at position {pos}")
+        self._pos = pos + (1 << level)
+        m = pos >> level
+        while m & 1 and self._stack and self._stack[-1][0] == level:
             _, left = self._stack.pop()
-            t = left + t
-            level += 1
-        self._stack.append((level, t))
+            x = self._merge(left, x)
+            level, m = level + 1, m >> 1
+        self._stack.append((level, x))
 
-    def result(self) -> torch.Tensor:
-        if len(self._stack) != 1:
-            raise ValueError(f"a tree sum needs a power-of-two count of inputs ({self._stack!r})")
-        return self._stack[0][1]
+    def pieces(self) -> list[tuple[int, object]]:
+        """(level, sum) of each maximal aligned block fed so far, in order."""
+        return list(self._stack)
+
+    def result(self):
+        """The sum: the pieces folded right to left (one piece for 2**n inputs from 0)."""
+        if not self._stack:
+            raise ValueError("a tree sum needs at least one input")
+        acc = self._stack[-1][1]
+        for _, left in reversed(self._stack[:-1]):
+            acc = self._merge(left, acc)
+        self._stack, self._pos = [(-1, acc)], None
+        return acc
+
+
+def piece_levels(start: int, stop: int) -> list[int]:
+    """The levels of the pieces a counter started at `start` ends with after the leaves
+    start..stop-1: the maximal aligned blocks of [start, stop), e.g. [3, 6) -> [0, 1)."""
+    levels: list[int] = []
+    for pos in range(start, stop):
+        level = 0
+        while pos & 1 and levels and levels[-1] == level:
+            levels.pop()
+            level, pos = level + 1, pos >> 1
+        levels.append(level)
+    return levels
+
+
+class TreeSum(_Counter):
+    """Adds tensors fed in index order in the fixed tree (_Counter), out of place."""
+
+    def _merge(self, left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+        return left + right
 
 
 def tree_sum(tensors) -> torch.Tensor:
@@ -123,29 +169,45 @@ def all_gather(t: torch.Tensor, world_size: int) -> list[torch.Tensor]:
     return parts
 
 
-class ListTree:
-    """TreeSum over lists of tensors (one per parameter), added in place with one foreach call
+class ListTree(_Counter):
+    """The tree over lists of tensors (one per parameter), added in place with one foreach call
     per merge: the same element-wise additions as TreeSum on their concatenation, without
-    copying any shard's gradient. `add(items, level=1)` feeds a pair already added."""
+    copying any shard's gradient. `add(items, level=1)` feeds a pair already added;
+    `ListTree(start=a)`: a rank's tree over its shards from shard a."""
 
-    def __init__(self) -> None:
-        self._stack: list[tuple[int, list[torch.Tensor]]] = []
+    def _merge(self, left: list[torch.Tensor], right: list[torch.Tensor]) -> list[torch.Tensor]:
+        if right:
+            torch._foreach_add_(left, right)  # left + right, element by element
+        return left
 
-    def add(self, items: list[torch.Tensor], level: int = 0) -> None:
-        while self._stack and self._stack[-1][0] == level:
-            _, left = self._stack.pop()
-            if items:
-                torch._foreach_add_(left, items)  # left + right, element by element
-            items = left
-            level += 1
-        self._stack.append((level, items))
 
-    def result(self) -> list[torch.Tensor]:
-        if len(self._stack) != 1:
-            raise ValueError(
-                f"a tree sum needs a power-of-two count of inputs ({len(self._stack)})"
-            )
-        return self._stack[0][1]
+def combine_pieces(pieces: list, rank: int, world_size: int, shards: int, gather, tail=None):
+    """Every rank's pieces added in the global tree: (the sums, in the items' dtypes; every
+    rank's `tail` in rank order, or None). `pieces`: this rank's ListTree.pieces() over its
+    block of shards (rank_shards); every rank's piece levels follow from (rank, world_size,
+    shards), so one all-gather (`gather`: a flat fp32 tensor -> every rank's, in rank order)
+    carries them, padded to the largest piece count, then the flattened fp32 `tail`."""
+    like = pieces[0][1]
+    sizes = [t.numel() for t in like]
+    width = sum(sizes)
+    levels = [piece_levels(b.start, b.stop) for b in
+              (rank_shards(r, world_size, shards) for r in range(world_size))]  # fmt: skip
+    if (got := [level for level, _ in pieces]) != levels[rank]:
+        raise ValueError(f"rank {rank}'s pieces have levels {got}, its block's {levels[rank]}")
+    slots = max(len(lv) for lv in levels)
+    device = like[0].device if like else (tail.device if tail is not None else None)
+    flat = [t.reshape(-1).float() for _, items in pieces for t in items]
+    flat.append(torch.zeros((slots - len(pieces)) * width, device=device))
+    if tail is not None:
+        flat.append(tail.reshape(-1).float())
+    parts = gather(torch.cat(flat))
+    tree = ListTree()
+    for part, lv in zip(parts, levels, strict=True):
+        for i, level in enumerate(lv):
+            got = part[i * width : (i + 1) * width].split(sizes)
+            tree.add([x.view_as(t).to(t.dtype) for x, t in zip(got, like, strict=True)], level)
+    tails = torch.cat([p[slots * width :] for p in parts]) if tail is not None else None
+    return tree.result(), tails
 
 
 class ShardedGradients:
@@ -156,8 +218,9 @@ class ShardedGradients:
     into the parameters' .grad and the averaged buffers back, and returns the K shard losses.
 
     The first level of the tree, g(2j) + g(2j+1), is left to autograd when `fold` (each shard's
-    gradient comes from one backward pass): the odd shard's backward accumulates into the even
-    shard's gradients, which is that addition, in place. Every other level is one in-place
+    gradient comes from one backward pass) and this rank's block starts at an even shard and
+    holds an even count: the odd shard's backward accumulates into the even shard's gradients,
+    which is that addition, in place. Every other level is one in-place
     foreach add over the parameters' gradients: no shard gradient is copied or concatenated.
     """
 
@@ -209,8 +272,10 @@ class ShardedGradients:
         """`fold`: each shard's gradient is one backward pass (no micro-steps inside a shard),
         so an odd shard may accumulate into its even neighbour's gradients (see the class)."""
         self._saved = [b.detach().clone() for b in self.float_buffers + self.int_buffers]
-        self._tree, self._losses = ListTree(), []
-        self._fold = fold and len(self.shards_here()) > 1
+        here = self.shards_here()
+        self._tree, self._losses = ListTree(start=here.start), []
+        # Pairs (2j, 2j+1) only: a block from an odd shard, or of an odd count, has a lone one.
+        self._fold = fold and len(here) > 1 and here.start % 2 == 0 and len(here) % 2 == 0
         self._left: tuple[list, list] | None = None  # an even shard's (grads, buffers)
 
     def start_shard(self) -> None:
@@ -315,14 +380,15 @@ class ShardedGradients:
         returns the K shard loss sums in shard order (float64)."""
         for p in self.params:
             p.grad = None
-        summed = self._tree.result()
         losses = torch.cat(self._losses)
         if self.world_size > 1:
-            summed, losses = self._across_ranks(summed, losses)
+            summed, losses = self._across_ranks(self._tree.pieces(), losses)
+        else:
+            summed = self._tree.result()
         for p, g in zip(self.params, summed, strict=False):
             p.grad = g
         for b, s in zip(self.float_buffers, summed[len(self.params) :], strict=True):
-            b.copy_(s / self.shards)  # the shards' buffers, averaged (K is a power of two)
+            b.copy_(s / self.shards)  # the shards' buffers, averaged (one division: any K)
         saved_ints = self._saved[len(self.float_buffers) :]
         for b, saved in zip(self.int_buffers, saved_ints, strict=True):
             b.copy_(saved)
@@ -330,17 +396,12 @@ class ShardedGradients:
             counter.add_(1)
         return losses.double()
 
-    def _across_ranks(self, summed: list, losses: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """One all-gather carries every rank's subtree sums and shard losses (fp32 sums: exact
-        in fp32 transport); the W subtree sums are then added in the tree, in their dtypes."""
-        flat = [t.reshape(-1).float() for t in summed]
-        parts = all_gather(torch.cat([*flat, losses]), self.world_size)
-        width = sum(t.numel() for t in flat)
-        tree = ListTree()
-        for part in parts:
-            pieces = part[:width].split([t.numel() for t in summed])
-            tree.add([x.view_as(t).to(t.dtype) for x, t in zip(pieces, summed, strict=True)])
-        return tree.result(), torch.cat([p[width:] for p in parts])
+    def _across_ranks(self, pieces: list, losses: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """One all-gather carries every rank's pieces (its block's aligned subtree sums) and
+        shard losses (fp32 sums: exact in fp32 transport); all ranks' pieces are then added in
+        the global tree, in their dtypes (combine_pieces)."""
+        gather = lambda flat: all_gather(flat, self.world_size)  # noqa: E731
+        return combine_pieces(pieces, self.rank, self.world_size, self.shards, gather, losses)
 
     def bounds(self, shard: int, global_count: int) -> tuple[int, int]:
         """[lo, hi) of shard `shard` within this rank's slice of a global batch of global_count."""

@@ -4,6 +4,8 @@ before any process starts."""
 
 from __future__ import annotations
 
+import math
+
 from trainer.config.schema import Config
 from trainer.errors import ConfigError, UsageError
 from trainer.parallel.layout import Layout, parse
@@ -121,10 +123,11 @@ def _shard_micro_batch(cfg: Config, lay: Layout) -> int:
         )
     stages = lay.pp * (2 if cfg.dist.pp_schedule == "interleaved-1f1b" else 1)
     if k // lay.dp < stages:
+        multiple = f", a multiple of {lay.dp}" if lay.dp > 1 else ""
         raise ConfigError(
             f"{where}: each data-parallel replica runs its {k // lay.dp} shard(s) as micro-batches, "
-            f"fewer than its {stages} pipeline stages: set repro.shards to {stages * lay.dp} or more "
-            "(a power of two)"
+            f"fewer than its {stages} pipeline stages: set repro.shards to {stages * lay.dp} or more"
+            f"{multiple}"
         )
     return b // k
 
@@ -201,11 +204,11 @@ def check_world_size(cfg: Config, world_size: int) -> None:
     b, w = cfg.data.global_batch_size, lay.dp
     k = cfg.repro.shards
     if cfg.repro.world_invariant and k % w:
-        fits = ", ".join(str(2**i) for i in range(k.bit_length()) if 2**i <= k)
+        fits = ", ".join(str(d) for d in range(1, k + 1) if k % d == 0)
         raise ConfigError(
             f"repro.world_invariant=true cuts each global batch into repro.shards={k} shards, "
             f"which {w} ranks cannot split evenly: run on {fits} ranks, or set repro.shards to a "
-            f"power of two that {w} divides"
+            f"multiple of {w} (e.g. repro.shards={math.lcm(k, w)}, which {k} divides too)"
         )
     if b % w:
         lo, hi = (b // w) * w, (b // w + 1) * w

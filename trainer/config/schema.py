@@ -572,10 +572,11 @@ class ReproConfig:
     gradients are added in one fixed tree (docs/training.md: how, and what it costs). Strategy
     none or ddp; with dist.device=cuda also set repro.deterministic=true."""
     shards: int = 8
-    """Shards per global batch under repro.world_invariant: a power of two that the world size
-    divides (1, 2, 4 or 8 ranks for 8). Set it to the largest world size the run will use:
-    each rank computes shards / world of them, and a small model pays per shard (the digits
-    MLP's throughput falls with every doubling; docs/training.md)."""
+    """Shards per global batch under repro.world_invariant: any count; the world sizes that
+    divide it give the same bits (1, 2, 4 or 8 ranks for 8; 1, 2, 3, 4, 6 or 12 for 12, for
+    an elastic job that may lose a node of 3). Set it to the smallest count every world size
+    the run will use divides: each rank computes shards / world of them, and a small model
+    pays per shard (the digits MLP's throughput falls with every doubling; docs/training.md)."""
 
 
 @dataclass(kw_only=True)
@@ -609,10 +610,10 @@ class Config:
         registry.check("model.name", self.model.name)
         registry.check("task.name", self.task.name)
         k = self.repro.shards
-        if k < 1 or k & (k - 1):
+        if k not in RANGES["repro.shards"]:
             raise ConfigError(
-                f"repro.shards={k} must be a power of two (1, 2, 4, 8, 16, ...): the shards' "
-                "gradients are added in a binary tree"
+                f"repro.shards: must be {RANGES['repro.shards']} (the fixed shards of each global "
+                f"batch), got {k}; e.g. {example('repro.shards')}"
             )
 
 

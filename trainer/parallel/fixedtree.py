@@ -1,11 +1,12 @@
 """repro.world_invariant under pipeline parallelism: dp x pp gives the world-1 run's bits.
 
 A world-invariant run cuts each global batch into K fixed shards and adds their gradients in one
-pairwise tree over the shard index (trainer/invariant.py). Under dist.mesh=dp=D,pp=P each
+fixed tree over the shard index (trainer/invariant.py). Under dist.mesh=dp=D,pp=P each
 data-parallel replica holds K/D consecutive shards and its pipeline runs them as its
 micro-batches, one shard each. Every stage keeps each parameter's per-micro-batch gradient (a
-hook that returns zeros, so nothing accumulates); the replica adds its K/D in the tree, and the D
-subtree sums, all-gathered over the dp group, are added in the same tree. A micro-batch's
+hook that returns zeros, so nothing accumulates); the replica adds its K/D in the tree (from its
+first shard: it ends with its block's aligned subtree sums), and all replicas' subtree sums,
+all-gathered over the dp group, are added in the same tree. A micro-batch's
 gradient is the shard's one-process gradient (the pipeline's per-micro-batch backward is the
 same computation: the bitwise pipeline tests rest on it), and a weight tied across stages has its
 copies added per micro-batch first, as one process's backward of the shard adds them. So every
@@ -21,7 +22,7 @@ import contextlib
 
 import torch
 
-from trainer.invariant import ListTree
+from trainer.invariant import ListTree, combine_pieces
 
 
 @contextlib.contextmanager
@@ -45,27 +46,28 @@ def _keeper(grads: list):
     return hook
 
 
-def tree_sum(per_micro: list[list[torch.Tensor]], group=None, replicas: int = 1) -> list:
+def tree_sum(
+    per_micro: list[list[torch.Tensor]], group=None, replicas: int = 1, replica: int = 0
+) -> list:
     """per_micro[i]: micro-batch (shard) i's gradients, one per parameter -> their sums in the
-    fixed tree over this replica's shards, then over the `replicas` of the dp `group` (an
-    all-gather of the subtree sums in fp32, added in rank order in the same tree)."""
-    tree = ListTree()
+    fixed tree over all shards: this replica's (replica `replica` of the dp `group`'s
+    `replicas`, holding shards replica*n .. replica*n + n - 1 of n * replicas) added in the
+    tree, then every replica's subtree sums (an all-gather in fp32) added in rank order."""
+    n = len(per_micro)
+    tree = ListTree(start=replica * n)
     for grads in per_micro:
         tree.add(list(grads))
-    summed = tree.result()
     if replicas == 1:
-        return summed
+        return tree.result()
     import torch.distributed as dist
 
-    flat = torch.cat([t.reshape(-1).float() for t in summed])
-    parts = [torch.empty_like(flat) for _ in range(replicas)]
-    dist.all_gather(parts, flat, group=group)
-    tree = ListTree()
-    sizes = [t.numel() for t in summed]
-    for part in parts:
-        pieces = part.split(sizes)
-        tree.add([x.view_as(t).to(t.dtype) for x, t in zip(pieces, summed, strict=True)])
-    return tree.result()
+    def gather(flat: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(flat) for _ in range(replicas)]
+        dist.all_gather(parts, flat, group=group)
+        return parts
+
+    summed, _ = combine_pieces(tree.pieces(), replica, replicas, n * replicas, gather)
+    return summed
 
 
 def step_loss(sums: dict, first: int, shards: int, terms: int, lead: bool, device) -> torch.Tensor:

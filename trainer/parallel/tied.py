@@ -86,7 +86,8 @@ def tree_grads(parts: ModelParts, kept: dict, kept_tied: dict, n_micro: int) -> 
         grads = tied[aliases[n]] if n in aliases else kept.get(n, [])[-n_micro:]
         per_param.append(grads or [torch.zeros_like(p)] * n_micro)
     per_micro = [[g[i] for g in per_param] for i in range(n_micro)]
-    summed = fixedtree.tree_sum(per_micro, pipe.mesh.group("dp"), pipe.mesh.layout.dp)
+    mesh = pipe.mesh
+    summed = fixedtree.tree_sum(per_micro, mesh.group("dp"), mesh.layout.dp, mesh.data_rank)
     for (_, p), g in zip(named, summed, strict=True):
         p.grad = g
 
