@@ -37,7 +37,7 @@ YAMLLINT := {extends: default, rules: {line-length: {max: 100, allow-non-breakab
 # a private store per rendezvous makes --max-restarts reliable.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE := 1
 
-.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long test-memory test-s3 lint format bench bench-shards lock clean tensorboard image \
+.PHONY: help setup run-local example finetune test test-quick test-image test-slurm test-mlflow test-mesh test-long test-memory test-s3 test-elastic lint format bench bench-shards lock clean tensorboard image \
 	compose-up k8s-render k8s-apply
 
 help:  ## list the targets
@@ -118,6 +118,9 @@ test-memory: setup  ## a 226M-parameter GPT trains under FSDP dp=4 and pp=4 with
 
 test-s3: setup  ## checkpoints and sharded datasets in a bucket against a real S3 server started on loopback (SeaweedFS from the lock): killed mid-save, outages, throttling, an altered object, a wrong key, a run killed on 2 ranks resumed on 3 and 4; the bucket bench, quick (~9 min)
 	$(BIN)/pytest -m "s3 or shards" tests/test_bucket.py tests/test_shards.py tests/test_bench.py $(PYTEST_ARGS)
+
+test-elastic: setup  ## elastic jobs (NNODES=MIN:MAX) on network-namespace nodes with an etcd rendezvous (Debian's etcd-server, installed with apt if missing): a node lost, back and drained mid-run, ending on the one-process bits (root; ~3 min)
+	$(BIN)/pytest -m elastic -s tests/test_elastic.py $(PYTEST_ARGS)
 
 test-slurm: setup  ## slurm/train.sbatch on a real two-node Slurm cluster the tests start (root; installs Debian's slurm + munge with apt if missing; ~4 min)
 	$(BIN)/pytest -m slurm tests/test_slurm.py $(PYTEST_ARGS)

@@ -83,6 +83,7 @@ def pytest_collection_modifyitems(config, items):
         "memory",
         "s3",
         "shards",
+        "elastic",
     ):  # their own targets: make test-image, test-slurm, test-mlflow, test-mesh, test-long, ...
         if not re.search(rf"(?<!not )\b{marker}\b", expr):
             chosen = [item for item in items if item.get_closest_marker(marker)]

@@ -284,10 +284,11 @@ class Wheelhouse:
         reqs = WORK / ("image-requirements.txt" if requirements is None else f"{name}.txt")
         reqs.write_text("\n".join(requirements or image_requirements()) + "\n")
         _link_local_wheels(self.folder, reqs, python_version)
+        _build_sdist_only(self.folder, reqs)
         cmd = [
             sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir",
-            "--only-binary=:all:", f"--python-version={python_version}",
-            "-d", self.folder, "-c", ROOT / "requirements.lock", "-r", reqs,
+            "--only-binary=:all:", f"--python-version={python_version}", "--find-links",
+            self.folder, "-d", self.folder, "-c", ROOT / "requirements.lock", "-r", reqs,
         ]  # fmt: skip
         p = _run(cmd, timeout=1800)
         assert p.returncode == 0, f"pip download: {p.stderr[-3000:]}"
@@ -309,6 +310,22 @@ class Wheelhouse:
             self.pip_conf.unlink()
         if not keep:
             shutil.rmtree(self.folder, ignore_errors=True)
+
+
+SDIST_ONLY = ("python-etcd",)
+"""Pure-Python requirements published as sdists only: built into wheels here (any Python), so that
+the wheels-only download finds them in the folder and the image installs them without building."""
+
+
+def _build_sdist_only(folder: Path, reqs: Path) -> None:
+    wanted = [n for n in SDIST_ONLY if re.search(rf"(?m)^{re.escape(n)}\b", reqs.read_text())]
+    if wanted:
+        cmd = [
+            sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", folder,
+            "-c", ROOT / "requirements.lock", *wanted,
+        ]  # fmt: skip
+        p = _run(cmd, timeout=600)
+        assert p.returncode == 0, f"pip wheel {' '.join(wanted)}: {p.stderr[-3000:]}"
 
 
 def _link_local_wheels(folder: Path, reqs: Path, python_version: str) -> None:

@@ -201,6 +201,29 @@ def test_pytorchjob_v1_elastic_range_restarts_and_conf_pass_through():
     assert "PET_RDZV_CONF" in p.unset and "PET_MAX_RESTARTS" in p.unset
 
 
+PYTORCHJOB_ELASTIC_ETCD = {  # elasticPolicy rdzvBackend: etcd, rdzvHost/rdzvPort: its Service
+    **PYTORCHJOB_ELASTIC,
+    "PET_RDZV_BACKEND": "etcd",
+    "PET_RDZV_ENDPOINT": "trainer-etcd:2379",
+    "PET_RDZV_CONF": "",
+}
+
+
+def test_an_etcd_rendezvous_needs_no_node_to_host_it():
+    p, _ = plan(PYTORCHJOB_ELASTIC_ETCD)
+    f, c = flags(p), conf(p)
+    assert f["rdzv-backend"] == "etcd-v2" and f["rdzv-endpoint"] == "trainer-etcd:2379"
+    assert f["nnodes"] == "1:3" and f["max-restarts"] == "3"
+    assert c == {"join_timeout": "600", "last_call_timeout": "30"}  # no is_host, no store reads
+    assert "elastic: 1 to 3 nodes, 3 restart(s), last call 30 s" in p.summary
+    assert p.world_size is None and p.worlds == (1, 2, 3)
+    # The plain names; a node rank is no reason for is_host (etcd holds the rendezvous).
+    env = {"NNODES": "2:4", "NODE_RANK": "0", "RDZV_BACKEND": "etcd-v2", "RDZV_ENDPOINT": "etcd"}
+    p, _ = plan({**env, "RDZV_LAST_CALL_TIMEOUT": "5", "NPROC_PER_NODE": "2"})
+    assert flags(p)["rdzv-endpoint"] == "etcd:2379" and conf(p)["last_call_timeout"] == "5"
+    assert "is_host" not in conf(p) and p.worlds == (4, 6, 8)
+
+
 def test_trainjob_v2_node_1():
     p, probed = plan(TRAINJOB_NODE1, gpus=8)
     f = flags(p)
@@ -334,10 +357,19 @@ def test_unreachable_rendezvous_host_leaves_addresses_to_torchrun():
         ({"MAX_RESTARTS": "-1"}, 0, "MAX_RESTARTS=-1 must be >= 0"),
         ({"RDZV_JOIN_TIMEOUT": "0"}, 0, "RDZV_JOIN_TIMEOUT=0 must be >= 1"),
         (
-            {"PET_RDZV_BACKEND": "etcd"},
+            {"PET_RDZV_BACKEND": "zookeeper"},
             0,
-            "PET_RDZV_BACKEND=etcd: trainer-launch uses torchrun's c10d",
+            "PET_RDZV_BACKEND=zookeeper: the rendezvous backend is c10d",
         ),
+        (
+            {"RDZV_BACKEND": "etcd", "MASTER_ADDR": "node0"},  # MASTER_ADDR is no etcd server
+            0,
+            "RDZV_BACKEND=etcd needs the etcd server: set RDZV_ENDPOINT=HOST:PORT",
+        ),
+        ({"RDZV_ENDPOINT": "a b:2379"}, 0, "RDZV_ENDPOINT='a b:2379' is not HOST:PORT"),
+        ({"RDZV_ENDPOINT": "etcd:x"}, 0, "RDZV_ENDPOINT='x' is not an integer"),
+        ({"RDZV_LAST_CALL_TIMEOUT": "-1"}, 0, "RDZV_LAST_CALL_TIMEOUT=-1 must be >= 0"),
+        ({"NNODES": "1:99999"}, 0, "NNODES='1:99999' is not a node count"),
         ({"PET_RDZV_CONF": "is_host"}, 0, "PET_RDZV_CONF: 'is_host' must look like key=value"),
         ({"JOB_COMPLETION_INDEX": "x"}, 0, "JOB_COMPLETION_INDEX='x' is not an integer"),
     ],
@@ -484,6 +516,37 @@ def test_a_batch_that_does_not_split_over_the_job_is_exit_2_before_torchrun(tmp_
             "use a multiple of 4 (e.g. data.global_batch_size=4 or 8)"
         ]
         assert p.stdout == ""
+
+
+ELASTIC = {"NNODES": "1:3", "RDZV_BACKEND": "etcd", "RDZV_ENDPOINT": "127.0.0.1:2379"}
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["data.global_batch_size=48"], None),
+        (
+            ["data.global_batch_size=64"],
+            "NNODES=1:3 may form a world of 3 ranks (3 node(s) x 1), where "
+            "data.global_batch_size=64 does not split over 3 ranks",
+        ),
+        (
+            ["data.global_batch_size=48", "repro.world_invariant=true"],
+            "NNODES=1:3 may form a world of 3 ranks (3 node(s) x 1), where "
+            "repro.world_invariant=true cuts each global batch into repro.shards=8 shards",
+        ),
+        (["data.global_batch_size=48", "repro.world_invariant=true", "repro.shards=6"], None),
+    ],
+)
+def test_an_elastic_job_is_checked_on_every_world_it_may_form(tmp_path, args, says):
+    p = launcher(["--dry-run", *args], cwd=tmp_path, NPROC_PER_NODE="1", **ELASTIC)
+    if says is None:
+        assert p.returncode == 0, p.stderr
+        assert "--rdzv-backend=etcd-v2" in p.stdout
+        return
+    assert p.returncode == 2 and p.stdout == ""
+    (line,) = p.stderr.splitlines()
+    assert line.startswith(f"trainer-launch: error: {says}") and "1, 2 would" in line
 
 
 @pytest.mark.parametrize(

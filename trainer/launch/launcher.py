@@ -122,6 +122,9 @@ class Plan:
     """Ranks in the job when torchrun is launched with a fixed node count; None otherwise."""
     rendezvous: Rendezvous | None = None
     """The multi-node rendezvous torchrun joins (None: standalone), to name it when it fails."""
+    worlds: tuple[int, ...] = ()
+    """Every world size the job may form (an elastic job: MIN..MAX nodes x processes per node),
+    each checked against the config before torchrun starts."""
 
     def shell(self) -> str:
         """The plan as one copy-pastable shell line."""
@@ -204,6 +207,7 @@ def make_plan(
         summary=meeting.summary,
         world_size=world,
         rendezvous=meeting.rendezvous,
+        worlds=tuple(n * node.nproc for n in range(node.min_nodes, node.max_nodes + 1)),
     )
 
 
@@ -257,7 +261,7 @@ def _multi_node(
     flags = [
         f"--nnodes={node.nnodes}",
         f"--nproc-per-node={node.nproc}",
-        "--rdzv-backend=c10d",
+        f"--rdzv-backend={node.backend}",
         f"--rdzv-endpoint={endpoint}:{node.port}",
         f"--rdzv-id={node.rdzv_id}",
         "--rdzv-conf=" + ",".join(f"{k}={v}" for k, v in conf.items()),
@@ -266,10 +270,16 @@ def _multi_node(
         flags.append(f"--local-addr={local_addr}")
     added = _socket_ifnames(route, env)
     rank = "?" if node.node_rank is None else node.node_rank
+    kind = "etcd rendezvous" if node.backend != "c10d" else "rendezvous"
     summary = (
         f"{node.nnodes} nodes x {node.nproc} process(es), this is node {rank}, "
-        f"rendezvous at {node.host}:{node.port} (id {node.rdzv_id})"
+        f"{kind} at {node.host}:{node.port} (id {node.rdzv_id})"
     )
+    if node.elastic:
+        summary += (
+            f"; elastic: {node.min_nodes} to {node.max_nodes} nodes, {node.max_restarts} "
+            f"restart(s), last call {conf['last_call_timeout']} s"
+        )
     rendezvous = Rendezvous(
         endpoint=f"{endpoint}:{node.port}",
         host=node.host,
@@ -292,12 +302,15 @@ def _socket_ifnames(route: Route | None, env: Mapping[str, str]) -> dict[str, st
 def _rdzv_conf(node: Node) -> dict[str, str]:
     """torchrun's --rdzv-conf: the node's own settings, then is_host and the join/read timeouts."""
     conf = dict(node.rdzv_conf)
-    if node.node_rank is not None:
+    if node.node_rank is not None and node.backend == "c10d":
         # Node 0 hosts the store: said explicitly, because a DNS name (a pod's headless
         # service name) often does not match what the pod believes its own hostname is.
         conf.setdefault("is_host", "1" if node.node_rank == 0 else "0")
     conf.setdefault("join_timeout", str(node.join_timeout))
-    conf.setdefault("read_timeout", str(node.join_timeout))  # also bounds the store connect
+    if node.backend == "c10d":
+        conf.setdefault("read_timeout", str(node.join_timeout))  # also bounds the store connect
+    if node.elastic:
+        conf.setdefault("last_call_timeout", str(node.last_call))
     return conf
 
 
@@ -368,6 +381,47 @@ def check_trainer_config(command: Command):
     from trainer import cli
 
     return cli.load_config(cli.parse(list(command.trainer_args)))
+
+
+def check_elastic_worlds(cfg, worlds: Sequence[int], rendezvous: Rendezvous | None) -> None:
+    """An elastic job may form any world in `worlds`: the config must hold on every one of them
+    (the global batch splits, world_invariant's shards split, the layout fits), else the job
+    would stop at the first membership change. One line, exit 2, before torchrun starts."""
+    from trainer.config import check_world_size, resolve_strategy
+    from trainer.errors import ConfigError
+
+    nnodes = rendezvous.nnodes if rendezvous else "1"
+    per_node = worlds[0] // int(nnodes.partition(":")[0])
+    for world in worlds:
+        try:
+            check_world_size(cfg, world)
+            resolve_strategy(cfg, world)
+        except ConfigError as e:
+            fits = [w for w in worlds if _fits(cfg, w)]
+            hint = f" (of its worlds, {', '.join(map(str, fits))} would)" if fits else ""
+            raise ConfigError(
+                f"NNODES={nnodes} may form a world of {world} ranks ({world // per_node} node(s) "
+                f"x {per_node}), where {e}{hint}: choose settings that every world in the range "
+                "splits, or narrow NNODES"
+            ) from None
+
+
+def _fits(cfg, world: int) -> bool:
+    from trainer.config import check_world_size, resolve_strategy
+    from trainer.errors import ConfigError
+
+    try:
+        check_world_size(cfg, world)
+        resolve_strategy(cfg, world)
+    except ConfigError:
+        return False
+    return True
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def _die_with_parent() -> None:
@@ -723,7 +777,9 @@ Launch this node's part of a training job with torchrun, configured from the env
 environment (first set wins): PET_NNODES|NNODES, PET_NPROC_PER_NODE|NPROC_PER_NODE (auto, gpu,
 cpu or N), PET_NODE_RANK|NODE_RANK|JOB_COMPLETION_INDEX, PET_MASTER_ADDR|MASTER_ADDR,
 PET_MASTER_PORT|MASTER_PORT (29500), PET_RDZV_ID|RDZV_ID|JOBSET_NAME|JOB_NAME, PET_MAX_RESTARTS|
-MAX_RESTARTS (0), RDZV_JOIN_TIMEOUT (600 s), POD_IP, TRAIN_ARGS.
+MAX_RESTARTS (0), RDZV_JOIN_TIMEOUT (600 s), POD_IP, TRAIN_ARGS. Elastic jobs (NNODES=MIN:MAX):
+PET_RDZV_BACKEND|RDZV_BACKEND (c10d, or etcd: the rendezvous in an etcd server, which survives
+any node), PET_RDZV_ENDPOINT|RDZV_ENDPOINT (etcd: HOST[:2379]), RDZV_LAST_CALL_TIMEOUT (30 s).
 
 exit codes: the trainer's (0 done, 2 bad input, 3 preempted after a checkpoint, 4 retryable),
 1 for other failures, 128+N when stopped by signal N with no rank reporting.
@@ -784,6 +840,13 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
 
         check_world_size(cfg, plan.world_size)  # exit 2 here, not one failed rank per process
         resolve_strategy(cfg, plan.world_size)
+    elif cfg is not None and plan.worlds and job is None:
+        check_elastic_worlds(cfg, plan.worlds, plan.rendezvous)
+    if "--rdzv-backend=etcd-v2" in plan.argv and not _importable("etcd"):
+        raise UsageError(
+            "RDZV_BACKEND=etcd: torchrun's etcd rendezvous needs the python-etcd package, "
+            "missing here: pip install python-etcd (the image has it)"
+        )
     if dry_run:
         print(f"# {plan.summary}")
         if plan.child:
