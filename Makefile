@@ -184,7 +184,7 @@ k8s-render:  ## render every k8s/overlays/* into build/k8s/<overlay>.yaml (offli
 		$(KUBECTL) kustomize k8s/overlays/$$o > $(K8S_OUT)/$$o.yaml || exit 2; echo "$(K8S_OUT)/$$o.yaml"; \
 	done
 
-k8s-apply:  ## kubectl apply -k one overlay (needs a cluster): OVERLAY=cpu-smoke|gpu|jobset|kubeflow
+k8s-apply:  ## kubectl apply -k one overlay (needs a cluster): OVERLAY=cpu-smoke|gpu|jobset|kubeflow|elastic
 	@if [ -z "$(filter $(K8S_OVERLAYS),$(OVERLAY))" ] || [ "$(words $(OVERLAY))" != 1 ]; then \
 		echo "make k8s-apply: set OVERLAY to one of: $(K8S_OVERLAYS) (got '$(OVERLAY)')" >&2; exit 2; fi
 	$(KUBECTL) apply -k k8s/overlays/$(OVERLAY)

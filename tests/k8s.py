@@ -9,6 +9,15 @@ Kubernetes-side facts used here (not ours to choose), with where they come from:
   jobset.sigs.k8s.io/jobset-name, subdomain `network.subdomain` (default: the JobSet's name);
 - Kubeflow Trainer v2's torch plugin: PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
   PET_MASTER_ADDR `<trainjob>-node-0-0.<trainjob>`, PET_MASTER_PORT 29500 (pkg/constants);
+- Kubeflow training-operator v1 (release-1.9), a PyTorchJob: pods `<job>-<type>-<index>` created by
+  the operator itself (no Job labels), labelled training.kubeflow.org/job-name, operator-name,
+  replica-type (lower case), replica-index, and job-role=master on Worker 0 when there is no
+  Master (pkg/controller.v1/common/pod.go, createNewPod). Its env goes AFTER the container's own:
+  PYTHONUNBUFFERED=1, PET_NPROC_PER_NODE from spec.nprocPerNode (defaulted to "auto" unless
+  elasticPolicy.nProcPerNode is set), then with an elasticPolicy PET_RDZV_ENDPOINT
+  `<rdzvHost|job-worker-0>:<rdzvPort>`, PET_RDZV_BACKEND (default c10d), PET_NNODES
+  `MIN:MAX`, PET_MAX_RESTARTS, PET_RDZV_ID and PET_RDZV_CONF when set (pytorch/envvar.go,
+  elastic.go; defaults: pytorch_defaults.go);
 - `$(VAR)` in env values and args expands to a variable defined EARLIER in the same container,
   `$$` is a literal `$`, and an undefined reference stays as written.
 """
@@ -46,6 +55,13 @@ COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 KUBEFLOW_NODE = "node"  # Trainer v2's replicated Job and container for the training nodes
 KUBEFLOW_MASTER_PORT = "29500"
+PYTORCHJOB_NAME = "training.kubeflow.org/job-name"  # training-operator v1's labels on its pods
+PYTORCHJOB_OPERATOR = "training.kubeflow.org/operator-name"
+PYTORCHJOB_TYPE = "training.kubeflow.org/replica-type"
+PYTORCHJOB_INDEX = "training.kubeflow.org/replica-index"
+PYTORCHJOB_ROLE = "training.kubeflow.org/job-role"
+PYTORCHJOB_CONTAINER = "pytorch"  # the container the operator's webhook requires
+WORKLOADS = ("Job", "JobSet", "TrainJob", "PyTorchJob")
 
 
 def kubectl() -> str | None:
@@ -223,6 +239,9 @@ class Pod:
     container: dict
     injected: dict[str, str] = field(default_factory=dict)
     """Variables the controller adds before the container's own (JOB_COMPLETION_INDEX, PET_*)."""
+    appended: dict[str, str] = field(default_factory=dict)
+    """Variables the controller adds after the container's own (a PyTorchJob's PET_*): the last
+    of a name wins."""
 
     @property
     def dns_name(self) -> str:
@@ -237,7 +256,7 @@ class Pod:
                 out[var["name"]] = self._value_from(var["valueFrom"])
             else:
                 out[var["name"]] = expand(str(var.get("value", "")), out)
-        return out
+        return {**out, **self.appended}
 
     def _value_from(self, source: dict) -> str:
         if "fieldRef" in source:
@@ -275,13 +294,14 @@ POD_UID = "6f1c2a44-0d4e-4b55-9a51-3d2b8e0f7c19"  # stands in for the Job's meta
 
 
 def pods(objs: list[dict], ip=lambda i: f"10.8.{i}.17") -> list[Pod]:
-    """Every pod of the overlay's training workload (an Indexed Job, a JobSet or a TrainJob)."""
-    found = [o for o in objs if o["kind"] in ("Job", "JobSet", "TrainJob")]
-    assert len(found) == 1, f"one training workload per overlay, found {kinds(found)}"
-    w = found[0]
+    """Every pod of the overlay's training workload (an Indexed Job, a JobSet, a TrainJob or a
+    PyTorchJob: for an elastic one, the pods its Worker replicas start)."""
+    w = workload(objs)
     name = w["metadata"]["name"]
     if w["kind"] == "TrainJob":
         return _trainjob_pods(w, ip)
+    if w["kind"] == "PyTorchJob":
+        return _pytorchjob_pods(w, ip)
     if w["kind"] == "JobSet":
         assert len(w["spec"]["replicatedJobs"]) == 1
         rjob = w["spec"]["replicatedJobs"][0]
@@ -316,6 +336,13 @@ def pods(objs: list[dict], ip=lambda i: f"10.8.{i}.17") -> list[Pod]:
             )
         )
     return out
+
+
+def workload(objs: list[dict]) -> dict:
+    """The overlay's one training workload."""
+    found = [o for o in objs if o["kind"] in WORKLOADS]
+    assert len(found) == 1, f"one training workload per overlay, found {kinds(found)}"
+    return found[0]
 
 
 def training_container(spec: dict) -> dict:
@@ -369,6 +396,77 @@ def _trainjob_pods(tj: dict, ip) -> list[Pod]:
                 spec,
                 training_container(spec),
                 injected,
+            )
+        )
+    return out
+
+
+def pytorchjob_env(job: dict) -> dict[str, str]:
+    """The variables training-operator v1 appends to each container of a PyTorchJob's pods with no
+    Master replica (setPodEnv; the defaults of pytorch_defaults.go applied first)."""
+    spec = job["spec"]
+    assert "Master" not in spec["pytorchReplicaSpecs"], "not simulated: a Master replica"
+    out = {"PYTHONUNBUFFERED": "1"}
+    policy = spec.get("elasticPolicy")
+    if "nprocPerNode" in spec or not (policy and "nProcPerNode" in policy):
+        out["PET_NPROC_PER_NODE"] = spec.get("nprocPerNode", "auto")
+    if policy is None:
+        return {**out, "PET_NNODES": str(spec["pytorchReplicaSpecs"]["Worker"]["replicas"])}
+    assert "rdzvPort" in policy, "not simulated: the port from the container's pytorchjob-port"
+    low = policy.get("minReplicas", policy.get("maxReplicas"))
+    high = policy.get("maxReplicas", low)
+    host = policy.get("rdzvHost", f"{job['metadata']['name']}-worker-0")
+    out["PET_RDZV_ENDPOINT"] = f"{host}:{policy['rdzvPort']}"
+    out["PET_RDZV_BACKEND"] = policy.get("rdzvBackend", "c10d")
+    out["PET_NNODES"] = (
+        f"{low}:{high}"
+        if low is not None
+        else str(spec["pytorchReplicaSpecs"]["Worker"]["replicas"])
+    )
+    if "maxRestarts" in policy:
+        out["PET_MAX_RESTARTS"] = str(policy["maxRestarts"])
+    if "nProcPerNode" in policy:
+        out["PET_NPROC_PER_NODE"] = str(policy["nProcPerNode"])
+    if "rdzvId" in policy:
+        out["PET_RDZV_ID"] = policy["rdzvId"]
+    if policy.get("rdzvConf"):
+        out["PET_RDZV_CONF"] = ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])
+    if policy.get("standalone"):
+        out["PET_STANDALONE"] = ""
+    return out
+
+
+def _pytorchjob_pods(job: dict, ip) -> list[Pod]:
+    name = job["metadata"]["name"]
+    (rtype,) = job["spec"]["pytorchReplicaSpecs"]
+    assert rtype == "Worker", "not simulated: a Master replica"
+    rspec = job["spec"]["pytorchReplicaSpecs"][rtype]
+    template = rspec["template"]
+    out = []
+    for i in range(rspec.get("replicas", 1)):
+        labels = {
+            **template.get("metadata", {}).get("labels", {}),
+            PYTORCHJOB_OPERATOR: "pytorchjob-controller",
+            PYTORCHJOB_NAME: name,
+            PYTORCHJOB_TYPE: rtype.lower(),
+            PYTORCHJOB_INDEX: str(i),
+            **({PYTORCHJOB_ROLE: "master"} if i == 0 else {}),
+        }
+        spec = copy.deepcopy(template["spec"])
+        policy = rspec.get("restartPolicy", "OnFailure")  # the operator's default for PyTorchJob
+        spec["restartPolicy"] = "Never" if policy == "ExitCode" else policy  # core.SetRestartPolicy
+        container = training_container(spec)
+        out.append(
+            Pod(
+                i,
+                f"{name}-{rtype.lower()}-{i}",
+                "",
+                labels,
+                {},
+                ip(i),
+                spec,
+                container,
+                appended=pytorchjob_env(job),
             )
         )
     return out

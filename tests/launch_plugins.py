@@ -1,13 +1,13 @@
-"""Plug-in datasets for trainer-launch's tests: the tiny dataset, and ones that fail on purpose."""
+"""Plug-ins for trainer-launch's tests: the tiny dataset, ones that fail on purpose, a paced model."""
 
 from __future__ import annotations
 
 import os
 
-from tests.helpers import tiny
+from tests.helpers import slow_mlp, tiny
 from trainer.errors import RetryableError, UsageError
 
-__all__ = ["fail_first_attempt", "fail_retryable", "fail_usage", "tiny"]
+__all__ = ["fail_first_attempt", "fail_retryable", "fail_usage", "paced_mlp", "tiny"]
 
 
 def fail_usage(cfg, seed):
@@ -25,3 +25,10 @@ def fail_first_attempt(cfg, seed):
     if os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0" and os.environ.get("RANK") == "1":
         raise RetryableError("rank 1 fails on purpose (attempt 0)")
     return tiny(cfg, seed)
+
+
+def paced_mlp(in_shape, num_classes, hidden=(32,), dropout=0.0):
+    """slow_mlp with its sleep from $TEST_STEP_DELAY (seconds, default 0), not from the config:
+    a run paced for a test resumes unpaced with the same config (tests/test_elastic.py)."""
+    delay = float(os.environ.get("TEST_STEP_DELAY", "0"))
+    return slow_mlp(in_shape, num_classes, hidden=hidden, dropout=dropout, delay=delay)

@@ -54,9 +54,10 @@ LAUNCH = str(ROOT / ".venv" / "bin" / "trainer-launch")
 PHASE = 150  # seconds for any one phase to happen
 
 # 90 steps of the digits MLP; 6 shards a global batch: the same bits on 1, 2, 3 and 6 ranks. The
-# sleep in each shard's forward (slow_mlp) gives the test time to act mid-run; it changes no number.
+# sleep in each shard's forward ($TEST_STEP_DELAY: paced_mlp) gives the test time to act mid-run;
+# it changes no number, and is no config value (a paced run resumes unpaced).
 ARGS = [
-    "model.name=tests.helpers:slow_mlp",
+    "model.name=tests.launch_plugins:paced_mlp",
     "model.hidden=[32]",
     "model.dropout=0.1",
     "data.global_batch_size=48",
@@ -165,7 +166,7 @@ def newest_step(run: Path) -> int:
 def reference(tmp_path_factory) -> dict:
     """The uninterrupted one-process run (in this process, no sleep: the same numbers)."""
     folder = tmp_path_factory.mktemp("elastic-reference")
-    train_here("train", *ARGS, "model.kwargs.delay=0", f"run_dir={folder / 'run'}")
+    train_here("train", *ARGS, f"run_dir={folder / 'run'}")
     return {"weights": weights(folder / "run"), "run": folder / "run"}
 
 
@@ -186,7 +187,7 @@ def test_a_node_lost_back_and_drained_ends_on_the_one_process_bits(tmp_path, ref
             RDZV_ID="elastic-test",
             MAX_RESTARTS="3",
             RDZV_LAST_CALL_TIMEOUT="5",
-            TRAIN_ARGS="model.kwargs.delay=0.08",
+            TEST_STEP_DELAY="0.08",
         )
         args = [*ARGS, f"run_dir={run}"]
         nodes = [Node(net, i, environ, tmp_path, args) for i in range(3)]
@@ -251,3 +252,73 @@ def test_a_node_lost_back_and_drained_ends_on_the_one_process_bits(tmp_path, ref
         f"{joined_at - back_at:.1f} s after it started, from step {joined_step} "
         f"(nothing redone); drained at step {drained_step} (nothing redone)"
     )
+
+
+def test_a_silent_node_is_dropped_after_the_timeout_and_past_the_budget_the_job_stops(
+    tmp_path, reference
+):
+    """2 nodes x 1 process (NNODES=1:2, MAX_RESTARTS=1, dist.timeout_s=10). Node 1's link goes
+    down (no reset reaches node 0: its collective waits): node 0's rank gives up after the
+    timeout and node 0 goes on alone from the last checkpoint. Node 1 comes back and is taken in.
+    Then node 1 is lost again: the restart budget is spent, so node 0 ends with exit 4 in one
+    line, and the newest checkpoint, resumed by one process, still ends on the reference bits."""
+    run = tmp_path / "run"
+    with netns.Network(3) as net, etcd_server.Etcd(net, 2, tmp_path) as etcd:
+        environ = env(
+            NNODES="1:2",
+            NPROC_PER_NODE="1",
+            RDZV_BACKEND="etcd",
+            RDZV_ENDPOINT=etcd.endpoint,
+            RDZV_ID="elastic-budget",
+            MAX_RESTARTS="1",
+            RDZV_LAST_CALL_TIMEOUT="3",
+            TEST_STEP_DELAY="0.08",
+            TRAIN_ARGS="dist.timeout_s=10",
+        )
+        args = [*ARGS, f"run_dir={run}"]
+        nodes = [Node(net, i, environ, tmp_path, args) for i in range(2)]
+        try:
+            wait_for(lambda: first(nodes, r"world 2 x cpu"), PHASE, "world 2", nodes[0].proc)
+            at2 = newest_step(run)
+            wait_for(lambda: newest_step(run) >= at2 + 5, PHASE, "a checkpoint at world 2")
+            # 1. Node 1 goes silent: its link down, its processes still running.
+            survivors = nodes[0].workers()
+            cut_at = time.monotonic()
+            subprocess.run(
+                ["ip", "-n", net.nodes[1].namespace, "link", "set", "eth0", "down"], check=True
+            )
+            wait_for(lambda: not any(map(_alive, survivors)), PHASE, "node 0's rank to give up")
+            gave_up = time.monotonic() - cut_at
+            assert 9 <= gave_up <= 40, gave_up  # dist.timeout_s=10, not for ever
+            wait_for(lambda: resumes(nodes, cut_at), PHASE, "a resume at world 1", nodes[0].proc)
+            _, _, change = resumes(nodes, cut_at)[0]
+            assert change == "2 -> 1", resumes(nodes, 0)
+            # 2. Node 1 back (restarted, its link up again): taken in, no restart used.
+            nodes[1].kill()
+            subprocess.run(
+                ["ip", "-n", net.nodes[1].namespace, "link", "set", "eth0", "up"], check=True
+            )
+            back_at = time.monotonic()
+            nodes[1] = Node(net, 1, environ, tmp_path, args)
+            wait_for(lambda: resumes(nodes, back_at), PHASE, "a resume at world 2", nodes[0].proc)
+            assert resumes(nodes, back_at)[0][2] == "1 -> 2", resumes(nodes, 0)
+            # 3. Node 1 lost again: node 0's one restart is spent, so it stops.
+            wait_for(
+                lambda: newest_step(run) >= resumes(nodes, back_at)[0][1] + 5, PHASE, "5 steps"
+            )
+            nodes[1].kill()
+            code = nodes[0].wait()
+        finally:
+            for node in nodes:
+                node.kill()
+                (tmp_path / f"budget-node{node.i}.log").write_text(node.text())
+        out = nodes[0].text()
+        assert code == ExitCode.RETRYABLE, out
+        assert out.splitlines()[-1].startswith("trainer: error: "), out
+        assert "Traceback" not in out, out
+    # The newest checkpoint is whole: one process resumes it and ends on the reference bits.
+    train_here("train", *ARGS, "dist.timeout_s=10", f"run_dir={run}")
+    got = weights(run)
+    for name, tensor in reference["weights"].items():
+        assert torch.equal(got[name], tensor), name
+    print(f"\nelastic: a silent node (link down) was given up on after {gave_up:.1f} s")

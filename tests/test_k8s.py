@@ -28,8 +28,9 @@ pytestmark = [
     pytest.mark.skipif(kube.kubectl() is None, reason="needs kubectl (its built-in kustomize)"),
 ]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"
-GPU_OVERLAYS = ("gpu", "jobset", "kubeflow")
+GPU_OVERLAYS = ("gpu", "jobset", "kubeflow", "elastic")
 JOB_OVERLAYS = ("cpu-smoke", "gpu")  # a plain Indexed Job
+ELASTIC = "elastic"  # a PyTorchJob with an elasticPolicy, its rendezvous in etcd
 RATINGS = pytest.param(example_ratings.OVERLAY, id="ratings-example")
 """examples/ratings/k8s, an overlay of cpu-smoke outside k8s/: the checks that hold for any job."""
 needs_crds = pytest.mark.skipif(
@@ -56,7 +57,7 @@ def test_core_objects_validate_against_the_kubernetes_schemas(overlay):
 
 
 @needs_crds
-@pytest.mark.parametrize("overlay", ["jobset", "kubeflow"])
+@pytest.mark.parametrize("overlay", ["jobset", "kubeflow", ELASTIC])
 def test_crd_objects_validate_against_the_upstream_crds(overlay):
     custom = [o for o in kube.render(overlay) if not kube.is_core(o)]
     assert len(custom) == 1
@@ -78,6 +79,9 @@ def test_the_validators_have_teeth():
     tj = kube.one(kube.render("kubeflow"), "TrainJob")
     tj["spec"]["trainer"]["numProcPerNode"] = str(tj["spec"]["trainer"]["numProcPerNode"])
     assert any("numProcPerNode" in e for e in kube.validate_crd_object(tj))
+    pj = kube.one(kube.render(ELASTIC), "PyTorchJob")
+    pj["spec"]["elasticPolicy"]["rdzvHosts"] = pj["spec"]["elasticPolicy"].pop("rdzvHost")
+    assert any("rdzvHosts" in e for e in kube.validate_crd_object(pj))
 
 
 # --- the pods ----------------------------------------------------------------------------------
@@ -99,13 +103,31 @@ def test_pods_meet_the_restricted_pod_security_profile(overlay):
 
 
 def check_restricted(objs: list[dict]) -> None:
-    """Pod Security "restricted" for the workload's pod, every container (sidecars included)."""
+    """Pod Security "restricted" for the workload's pod, every container (sidecars included), and
+    for every other pod the render starts (a Deployment's: the elastic overlay's etcd, MLflow)."""
     spec = kube.pods(objs)[0].spec
     uid = int(image().user.split(":")[0])
+    assert spec["securityContext"]["runAsUser"] == uid
+    check_restricted_pod(spec)
+    # No API token: on the pod, or (TrainJob: the runtime patch cannot say it) on its account.
+    if "automountServiceAccountToken" in spec:
+        assert spec["automountServiceAccountToken"] is False
+    else:
+        account = kube.one(objs, "ServiceAccount")
+        assert spec["serviceAccountName"] == account["metadata"]["name"]
+        assert account["automountServiceAccountToken"] is False
+    for obj in objs:
+        if obj["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Pod"):
+            other = obj["spec"] if obj["kind"] == "Pod" else obj["spec"]["template"]["spec"]
+            check_restricted_pod(other)
+            assert other["automountServiceAccountToken"] is False, obj["metadata"]["name"]
+
+
+def check_restricted_pod(spec: dict) -> None:
     psc = spec["securityContext"]
     for key in ("hostNetwork", "hostPID", "hostIPC"):
         assert not spec.get(key)
-    assert psc["runAsNonRoot"] is True and psc["runAsUser"] == uid != 0
+    assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0
     assert psc["seccompProfile"]["type"] == "RuntimeDefault"
     for c in [*spec.get("initContainers", []), *spec["containers"]]:
         csc = c["securityContext"]
@@ -126,13 +148,6 @@ def check_restricted(objs: list[dict]) -> None:
     }
     for v in spec["volumes"]:
         assert set(v) - {"name"} <= allowed, v
-    # No API token: on the pod, or (TrainJob: the runtime patch cannot say it) on its account.
-    if "automountServiceAccountToken" in spec:
-        assert spec["automountServiceAccountToken"] is False
-    else:
-        account = kube.one(objs, "ServiceAccount")
-        assert spec["serviceAccountName"] == account["metadata"]["name"]
-        assert account["automountServiceAccountToken"] is False
 
 
 @pytest.mark.parametrize("overlay", kube.OVERLAYS)
@@ -196,10 +211,25 @@ def test_gpu_limit_is_one_gpu_per_process(overlay):
     assert "nvidia.com/gpu" not in str(kube.pods(kube.render("cpu-smoke"))[0].container)
 
 
+WORKLOAD_LABEL = {
+    "Job": kube.JOB_NAME,
+    "JobSet": kube.JOBSET_NAME,
+    "TrainJob": kube.JOBSET_NAME,  # its runtime's JobSet has the TrainJob's name
+    "PyTorchJob": kube.PYTORCHJOB_NAME,  # set by the operator, which creates the pods itself
+}
+"""The label each controller puts on the workload's pods, with the workload's name as value."""
+
+
 @pytest.mark.parametrize("overlay", [*kube.OVERLAYS, RATINGS])
 def test_network_policy_admits_exactly_the_jobs_own_pods_on_every_tcp_port(overlay):
     objs = kube.render(overlay)
-    policy = kube.one(objs, "NetworkPolicy")["spec"]
+    # The policy that guards the training pods (others guard a server the job uses: below).
+    (policy,) = [
+        o["spec"]
+        for o in objs
+        if o["kind"] == "NetworkPolicy"
+        and selects(o["spec"]["podSelector"], kube.pods(objs)[0].labels)
+    ]
     selector = policy["podSelector"]["matchLabels"]
     assert set(policy) == {"podSelector", "policyTypes", "ingress"}
     assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
@@ -207,15 +237,71 @@ def test_network_policy_admits_exactly_the_jobs_own_pods_on_every_tcp_port(overl
     assert rule["from"] == [{"podSelector": {"matchLabels": selector}}]  # same namespace, same job
     assert rule["ports"] == [{"protocol": "TCP"}]  # no port: all of them (NCCL/gloo pick at random)
     # The selector names THIS workload's identity label, which its controller sets on its pods.
-    workload = next(o for o in objs if o["kind"] in ("Job", "JobSet", "TrainJob"))
-    label = kube.JOB_NAME if workload["kind"] == "Job" else kube.JOBSET_NAME
-    assert selector == {label: workload["metadata"]["name"]}
+    workload = kube.workload(objs)
+    assert selector == {WORKLOAD_LABEL[workload["kind"]]: workload["metadata"]["name"]}
     for pod in kube.pods(objs):
         assert selector.items() <= pod.labels.items()
     if workload["kind"] == "Job":  # the headless Service selects the same pods
         service = kube.one(objs, "Service")["spec"]
         assert service["selector"] == selector and service["clusterIP"] == "None"
         assert service["publishNotReadyAddresses"] is True
+
+
+def port_number(port, containers: list[dict]) -> int:
+    """A Service's targetPort or a NetworkPolicy's port: a number, or a container port's name."""
+    if isinstance(port, int):
+        return port
+    (found,) = [p for c in containers for p in c.get("ports", []) if p.get("name") == port]
+    return found["containerPort"]
+
+
+def servers(objs: list[dict]) -> list[tuple[dict, dict, dict]]:
+    """(Deployment, its Service, its NetworkPolicy) for each server the render runs beside the job
+    (the elastic overlay's etcd)."""
+    out = []
+    for d in (o for o in objs if o["kind"] == "Deployment"):
+        labels = d["spec"]["template"]["metadata"]["labels"]
+        (service,) = [
+            o
+            for o in objs
+            if o["kind"] == "Service" and selects({"matchLabels": o["spec"]["selector"]}, labels)
+        ]
+        (policy,) = [
+            o
+            for o in objs
+            if o["kind"] == "NetworkPolicy" and selects(o["spec"]["podSelector"], labels)
+        ]
+        out.append((d, service, policy))
+    return out
+
+
+@pytest.mark.parametrize("overlay", kube.OVERLAYS)
+def test_a_server_beside_the_job_admits_only_the_jobs_pods_on_its_service_port(overlay):
+    """The elastic overlay's etcd takes writes without authentication: its policy admits the
+    training pods (every one, and no other job's) on the port its Service sends to, nothing else;
+    the training pods' own policy does not select it."""
+    objs = kube.render(overlay)
+    found = servers(objs)
+    assert bool(found) == (overlay == ELASTIC)
+    pods = kube.pods(objs)
+    w = kube.workload(objs)
+    stranger = {**pods[0].labels, WORKLOAD_LABEL[w["kind"]]: "another-job"}
+    for deployment, service, policy in found:
+        spec = policy["spec"]
+        containers = deployment["spec"]["template"]["spec"]["containers"]
+        assert set(spec) == {"podSelector", "policyTypes", "ingress"}
+        assert spec["policyTypes"] == ["Ingress"]
+        (rule,) = spec["ingress"]
+        (peer,) = rule["from"]
+        assert set(peer) == {"podSelector"}  # same namespace
+        assert all(selects(peer["podSelector"], pod.labels) for pod in pods)
+        assert not selects(peer["podSelector"], stranger)
+        assert not selects(
+            peer["podSelector"], deployment["spec"]["template"]["metadata"]["labels"]
+        )
+        ports = {port_number(p["port"], containers) for p in rule["ports"]}
+        assert all(p["protocol"] == "TCP" for p in rule["ports"])
+        assert ports == {port_number(p["targetPort"], containers) for p in service["spec"]["ports"]}
 
 
 # --- exit codes -> Kubernetes' actions ---------------------------------------------------------
@@ -239,6 +325,20 @@ JOBSET_ACTIONS = {
     "DisruptionTarget": "RestartJobSetAndIgnoreMaxRestarts",
     137: "RestartJobSet",
 }
+
+
+PYTORCHJOB_ACTIONS = {
+    ExitCode.ERROR: "RestartInPlace",
+    ExitCode.USAGE: "RestartInPlace",  # counted: fails again in seconds until backoffLimit
+    ExitCode.PREEMPTED: "RestartInPlace",
+    ExitCode.RETRYABLE: "RestartInPlace",
+    "DisruptionTarget": "Recreate",
+    137: "RestartInPlace",
+}
+"""The elastic PyTorchJob (restartPolicy OnFailure): the kubelet restarts a failed container in
+place, counted against runPolicy.backoffLimit; an evicted, preempted or drained pod is deleted and
+the operator creates its index again, not counted. Inside the pod, torchrun has already re-formed
+the group MAX_RESTARTS times before its node exits."""
 
 
 JOB_FAILURE_REASONS = {
@@ -311,9 +411,41 @@ def jobset_action(jobset: dict, reason: str, message: str) -> str:
     return rule["action"] if rule else "RestartJobSet"
 
 
+def pytorchjob_action(replica: dict, failure) -> str:
+    """What training-operator v1 and the kubelet do when one pod's training container fails
+    (pkg/controller.v1/common/pod.go, ReconcilePods; pkg/core/pod.go, SetRestartPolicy): the
+    kubelet restarts it in place (OnFailure, Always), or with ExitCode the operator recreates the
+    pod for a code >= 128 and fails the job for any other; Never fails the job."""
+    policy = replica.get("restartPolicy", "OnFailure")
+    if failure == "DisruptionTarget":  # the pod is deleted: its index is missing, and created
+        return "Recreate"
+    if policy in ("OnFailure", "Always"):
+        return "RestartInPlace"
+    if policy == "ExitCode":
+        return "Recreate" if failure >= 128 else "FailJob"
+    return "FailJob"
+
+
 def test_every_exit_code_has_a_decided_action():
     assert set(JOB_ACTIONS) >= {c for c in ExitCode if c != ExitCode.OK}
     assert set(JOBSET_ACTIONS) >= {c for c in ExitCode if c != ExitCode.OK}
+    assert set(PYTORCHJOB_ACTIONS) >= {c for c in ExitCode if c != ExitCode.OK}
+
+
+def test_elastic_pytorchjob_restarts_a_failed_pod_in_place_and_counts_it():
+    """OnFailure, bounded by runPolicy.backoffLimit. Not ExitCode: it would end the whole job on
+    our 3 (preempted after a checkpoint) and 4 (retryable), which are below 128."""
+    objs = kube.render(ELASTIC)
+    job = kube.one(objs, "PyTorchJob")
+    (replica,) = job["spec"]["pytorchReplicaSpecs"].values()
+    assert job["spec"]["runPolicy"]["backoffLimit"] >= 1
+    for failure, want in PYTORCHJOB_ACTIONS.items():
+        assert pytorchjob_action(replica, failure) == want, failure
+    assert kube.pods(objs)[0].spec["restartPolicy"] == "OnFailure"  # what the kubelet gets
+    assert "restartPolicy" not in replica["template"]["spec"]  # the operator overwrites it
+    exit_code = {**replica, "restartPolicy": "ExitCode"}
+    assert pytorchjob_action(exit_code, ExitCode.PREEMPTED) == "FailJob"
+    assert pytorchjob_action(exit_code, ExitCode.RETRYABLE) == "FailJob"
 
 
 @pytest.mark.parametrize("overlay", [*JOB_OVERLAYS, RATINGS])
@@ -438,12 +570,23 @@ def flags(plan) -> dict[str, str]:
     return out
 
 
+def etcd_endpoint(objs: list[dict]) -> str:
+    """HOST:PORT of the etcd the render runs: its Service's name and the port it exposes."""
+    ((_, service, _),) = servers(objs)
+    (port,) = service["spec"]["ports"]
+    return f"{service['metadata']['name']}:{port['port']}"
+
+
 @pytest.mark.parametrize("overlay", kube.OVERLAYS)
 def test_each_pods_env_becomes_the_right_torchrun_command(overlay):
     """Every pod (its completion index, pod IP and labels filled in as the controllers would) gets
-    the same job shape and rendezvous, rank 0 alone hosts it, at pod 0's DNS name."""
+    the same job shape and rendezvous, rank 0 alone hosts it, at pod 0's DNS name. The elastic
+    overlay's pods: MIN:MAX nodes, the rendezvous in the etcd Service of the render, hosted by no
+    pod, and the PyTorchJob's name as its id."""
     img = image()
-    pods = kube.pods(kube.render(overlay))
+    objs = kube.render(overlay)
+    pods = kube.pods(objs)
+    policy = kube.workload(objs)["spec"].get("elasticPolicy")
     plans = []
     for pod in pods:
         e = pod.env()
@@ -461,14 +604,22 @@ def test_each_pods_env_becomes_the_right_torchrun_command(overlay):
         plans.append(plan)
         f = flags(plan)
         conf = dict(kv.split("=", 1) for kv in f["rdzv-conf"].split(","))
-        assert f["nnodes"] == str(len(pods)) and int(f["nproc-per-node"]) == (gpus or 1)
-        assert conf["is_host"] == ("1" if pod.index == 0 else "0")
-        port = e.get("PET_MASTER_PORT") or e["MASTER_PORT"]
-        assert f["rdzv-endpoint"] == f"{pods[0].dns_name}:{port}"
+        assert int(f["nproc-per-node"]) == (gpus or 1)
+        if policy:
+            assert f["nnodes"] == f"{policy['minReplicas']}:{policy['maxReplicas']}"
+            assert f["rdzv-backend"] == "etcd-v2" and "is_host" not in conf
+            assert f["rdzv-endpoint"] == etcd_endpoint(objs)
+            assert f["rdzv-id"] == e["RDZV_ID"] == kube.workload(objs)["metadata"]["name"]
+            assert conf["last_call_timeout"] == str(nodeenv.DEFAULT_LAST_CALL_S)
+        else:
+            assert f["nnodes"] == str(len(pods)) and f["rdzv-backend"] == "c10d"
+            assert conf["is_host"] == ("1" if pod.index == 0 else "0")
+            port = e.get("PET_MASTER_PORT") or e["MASTER_PORT"]
+            assert f["rdzv-endpoint"] == f"{pods[0].dns_name}:{port}"
+            assert f["rdzv-id"] == e["RDZV_ID"] == kube.POD_UID  # the Job's uid, not a pod's
         assert f["local-addr"] == pod.ip
-        assert f["rdzv-id"] == e["RDZV_ID"] == kube.POD_UID  # the Job's uid, not a pod's value
         assert conf["join_timeout"] == e["RDZV_JOIN_TIMEOUT"] != str(nodeenv.DEFAULT_JOIN_TIMEOUT_S)
-        assert f["max-restarts"] == e["MAX_RESTARTS"]
+        assert f["max-restarts"] == (e.get("PET_MAX_RESTARTS") or e["MAX_RESTARTS"])
         tail = ("-m", "trainer", "train", *split_command([], e).trainer_args[1:], *args[1:])
         assert plan.argv[-len(tail) :] == tail  # the manifest's arguments reach every rank
         assert plan.env.get("NCCL_SOCKET_IFNAME") in (None, "eth0")  # a manifest's value wins
@@ -499,6 +650,95 @@ def test_trainer_launch_dry_run_with_a_cpu_smoke_pods_env(tmp_path):
     assert f"--rdzv-endpoint={kube.pods(objs)[0].dns_name}:" in p.stdout
     assert "is_host=0" in p.stdout and f"--local-addr={pod.ip}" in p.stdout
     assert "this is node 1" in p.stdout
+
+
+def mounted_argv(objs: list[dict], pod: kube.Pod, img, folder: Path) -> list[str]:
+    """The pod's argv with the ConfigMap's files written to `folder` and its mount path mapped
+    there: what trainer-launch reads as --config inside the pod."""
+    args = pod.argv(img.entrypoint, img.cmd)
+    config = args[args.index("--config") + 1]
+    (folder / "config").mkdir()
+    for name, text in kube.one(objs, "ConfigMap")["data"].items():
+        (folder / "config" / name).write_text(text)
+    mounts = {str(Path(config).parent): folder / "config"}
+    return [kube.on_this_machine(a, mounts) for a in args]
+
+
+def test_the_elastic_overlay_stays_elastic(tmp_path):
+    """What makes the elastic overlay elastic, read from the render: a range of pods (min < max,
+    the pods started within it), Worker replicas only (no Master pod for the job to depend on),
+    worker-group restarts to re-form with, an etcd rendezvous at the Service the render runs, on
+    the port it exposes, where etcd listens with its v2 API; and a config that every world in the
+    range splits: the real `trainer-launch --dry-run` with a pod's env and the mounted config
+    passes, and the same check refuses a global batch that one of those worlds cannot split."""
+    from trainer.errors import ConfigError
+    from trainer.launch import launcher
+
+    objs = kube.render(ELASTIC)
+    job = kube.one(objs, "PyTorchJob")
+    policy = job["spec"]["elasticPolicy"]
+    lo, hi = policy["minReplicas"], policy["maxReplicas"]
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
+    assert 1 <= lo < hi and lo <= job["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] <= hi
+    assert policy["maxRestarts"] >= 1
+    assert nodeenv.RDZV_BACKENDS[policy["rdzvBackend"]] == "etcd-v2"
+    # rdzvHost:rdzvPort is this render's etcd Service, and etcd serves the v2 API behind it.
+    assert f"{policy['rdzvHost']}:{policy['rdzvPort']}" == etcd_endpoint(objs)
+    ((etcd, service, _),) = servers(objs)
+    assert etcd["spec"]["replicas"] == 1 and etcd["spec"]["strategy"]["type"] == "Recreate"
+    pod_spec = etcd["spec"]["template"]["spec"]
+    (container,) = pod_spec["containers"]
+    defined = {v["name"]: v["value"] for v in container.get("env", [])}
+    flags_ = {}
+    for a in [*container.get("command", [])[1:], *container["args"]]:
+        key, _, value = a.partition("=")
+        flags_[key] = kube.expand(value, defined)
+    assert "--enable-v2" in flags_  # torchrun's etcd-v2 rendezvous speaks only the v2 API
+    (port,) = service["spec"]["ports"]
+    listen = flags_["--listen-client-urls"]
+    assert listen.rsplit(":", 1)[1] == str(port_number(port["targetPort"], [container]))
+    assert flags_["--advertise-client-urls"] == f"http://{etcd_endpoint(objs)}"
+    data = _mounts(pod_spec, container)  # the data dir is on a volume (read-only root)
+    assert any(
+        flags_["--data-dir"].startswith(m + "/") and "emptyDir" in v for m, v in data.items()
+    )
+    # Every world in MIN..MAX splits the config: the real CLI, with pod 1's env.
+    pod = kube.pods(objs)[1]
+    argv = mounted_argv(objs, pod, image(), tmp_path)
+    p = subprocess.run(
+        [str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
+        env={**env(), **pod.env()},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stderr
+    command_line = p.stdout.splitlines()[-1].split()
+    for flag in (f"--nnodes={lo}:{hi}", "--rdzv-backend=etcd-v2", "--rdzv-endpoint="):
+        assert any(a.startswith(flag) for a in command_line), (flag, p.stdout)
+    assert f"--rdzv-endpoint={etcd_endpoint(objs)}" in command_line
+    assert f"elastic: {lo} to {hi} nodes" in p.stdout
+    # The check has teeth: a global batch of the smallest world does not split over the next.
+    gpus = int(pod.container["resources"]["limits"]["nvidia.com/gpu"])
+    e = pod.env()
+    command = split_command(argv[1:], e)
+    plan = make_plan(
+        e,
+        command,
+        gpus=gpus,
+        cpus=2,
+        python="python",
+        probe=lambda n, env: Route(env["POD_IP"], "eth0"),
+    )
+    assert plan.worlds == tuple(n * gpus for n in range(lo, hi + 1))
+    launcher.check_elastic_worlds(
+        launcher.check_trainer_config(command), plan.worlds, plan.rendezvous
+    )
+    bad = split_command(argv[1:], {**e, "TRAIN_ARGS": f"data.global_batch_size={plan.worlds[0]}"})
+    with pytest.raises(ConfigError, match=f"world of {plan.worlds[1]} ranks"):
+        launcher.check_elastic_worlds(
+            launcher.check_trainer_config(bad), plan.worlds, plan.rendezvous
+        )
 
 
 def test_make_k8s_render_writes_every_overlay_and_k8s_apply_refuses_a_bad_overlay(tmp_path):
@@ -579,8 +819,8 @@ COMPONENT_OVERLAYS = {
     "kueue": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
     "exclusive": ("cpu-smoke", "gpu", "jobset"),
     "in-place-restart": ("jobset",),
-    "tracking": ("cpu-smoke", "gpu", "jobset", "kubeflow"),
-    "bucket": ("cpu-smoke", "gpu", "jobset"),
+    "tracking": ("cpu-smoke", "gpu", "jobset", "kubeflow", ELASTIC),
+    "bucket": ("cpu-smoke", "gpu", "jobset", ELASTIC),
 }
 """Which overlays each component is written for (its kustomization.yaml says the same)."""
 QUEUE_NAME = "kueue.x-k8s.io/queue-name"  # Kueue's label (its docs: tasks/run/jobs.md, jobsets.md)
@@ -596,8 +836,7 @@ def user_dir(tmp_path_factory):
 
 
 def workload(objs: list[dict]) -> dict:
-    (w,) = [o for o in objs if o["kind"] in ("Job", "JobSet", "TrainJob")]
-    return w
+    return kube.workload(objs)
 
 
 def child_job(jobset: dict) -> dict:
@@ -610,6 +849,8 @@ def child_job(jobset: dict) -> dict:
 def pod_template_spec(w: dict) -> dict:
     if w["kind"] == "JobSet":
         return w["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    if w["kind"] == "PyTorchJob":
+        return w["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
     return w["spec"]["template"]["spec"]
 
 

@@ -509,7 +509,7 @@ def test_the_compose_tracking_profile_serves_mlflow_on_localhost_with_a_volume()
 
 
 @pytest.mark.k8s
-@pytest.mark.parametrize("overlay", ["cpu-smoke", "gpu", "jobset", "kubeflow"])
+@pytest.mark.parametrize("overlay", ["cpu-smoke", "gpu", "jobset", "kubeflow", "elastic"])
 def test_the_k8s_component_admits_only_the_jobs_pods(overlay, tmp_path):
     from tests import k8s as kube
 
@@ -526,5 +526,6 @@ def test_the_k8s_component_admits_only_the_jobs_pods(overlay, tmp_path):
     admitted = [peer["podSelector"]["matchLabels"] for peer in rule["from"]]
     pod = kube.pods(objs)[0]  # a training pod, with the labels its controller sets
     assert any(labels.items() <= pod.labels.items() for labels in admitted), pod.labels
-    mlflow_pod = by_kind[("Deployment", "mlflow")]["spec"]["template"]["metadata"]["labels"]
-    assert not any(labels.items() <= mlflow_pod.items() for labels in admitted)
+    for other in (o for o in objs if o["kind"] == "Deployment"):  # mlflow, elastic's etcd
+        labels_ = other["spec"]["template"]["metadata"]["labels"]
+        assert not any(labels.items() <= labels_.items() for labels in admitted), labels_
