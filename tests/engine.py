@@ -283,8 +283,8 @@ class Wheelhouse:
         self.folder.mkdir(parents=True, exist_ok=True)
         reqs = WORK / ("image-requirements.txt" if requirements is None else f"{name}.txt")
         reqs.write_text("\n".join(requirements or image_requirements()) + "\n")
-        _link_local_wheels(self.folder, reqs, python_version)
         _build_sdist_only(self.folder, reqs)
+        _link_local_wheels(self.folder, reqs, python_version)
         cmd = [
             sys.executable, "-m", "pip", "download", "--quiet", "--no-cache-dir",
             "--only-binary=:all:", f"--python-version={python_version}", "--find-links",
@@ -337,7 +337,7 @@ def _link_local_wheels(folder: Path, reqs: Path, python_version: str) -> None:
         cmd = [
             sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--ignore-installed",
             "--only-binary=:all:", f"--python-version={python_version}", "--target", target,
-            "--report", "-", "-c", ROOT / "requirements.lock", "-r", reqs,
+            "--find-links", folder, "--report", "-", "-c", ROOT / "requirements.lock", "-r", reqs,
         ]  # fmt: skip
         p = _run(cmd, timeout=1800)
     try:
