@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gzip
 import hashlib
 import math
 import os
@@ -46,7 +47,8 @@ OVERLAYS = sorted(
 )
 COMPONENTS_DIR = K8S / "components"
 COMPONENTS = sorted(p.name for p in COMPONENTS_DIR.iterdir() if (p / "kustomization.yaml").exists())
-CRDS = ROOT.parent / "shared" / "schemas" / "crds"
+CRDS = ROOT / "tests" / "fixtures" / "crds"
+"""The upstream CRDs, unmodified and gzipped (their sources and licences: the README there)."""
 KUBERNETES_VERSION = "1.37"  # the newest schemas kubernetes-validate 1.37.0 ships
 
 JOB_NAME = "batch.kubernetes.io/job-name"
@@ -125,10 +127,11 @@ def is_core(obj: dict) -> bool:
 
 @functools.cache
 def _crd_versions() -> dict[tuple[str, str], dict]:
-    """(apiVersion, kind) -> openAPIV3Schema, from the upstream CRDs in ../shared/schemas."""
+    """(apiVersion, kind) -> openAPIV3Schema, from the upstream CRDs in tests/fixtures/crds."""
     out = {}
-    for path in sorted(CRDS.glob("*.yaml")):
-        crd = yaml.load(path.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    for path in sorted(CRDS.glob("*.yaml.gz")):
+        text = gzip.decompress(path.read_bytes()).decode("utf-8")
+        crd = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for v in crd["spec"]["versions"]:
             out[(f"{group}/{v['name']}", kind)] = v["schema"]["openAPIV3Schema"]

@@ -1,5 +1,5 @@
 """k8s/: every overlay renders, validates offline (Kubernetes schemas; the upstream CRDs in
-../shared/schemas), runs restricted pods with the volumes the trainer needs, maps the trainer's exit
+tests/fixtures/crds), runs restricted pods with the volumes the trainer needs, maps the trainer's exit
 codes as intended, and gives trainer-launch exactly the node environment it expects.
 
 Everything is read from the rendered manifests (tests/k8s.py), from trainer code (exit codes, the
