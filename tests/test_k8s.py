@@ -631,21 +631,7 @@ def test_trainer_launch_dry_run_with_a_cpu_smoke_pods_env(tmp_path):
     """The real CLI, not just the pure function: pod 1 of cpu-smoke, its config file mounted."""
     objs = kube.render("cpu-smoke")
     pod = kube.pods(objs)[1]
-    img = image("cpu")
-    args = pod.argv(img.entrypoint, img.cmd)
-    config = args[args.index("--config") + 1]
-    (tmp_path / "config").mkdir()
-    for name, text in kube.one(objs, "ConfigMap")["data"].items():
-        (tmp_path / "config" / name).write_text(text)
-    mounts = {str(Path(config).parent): tmp_path / "config"}
-    argv = [kube.on_this_machine(a, mounts) for a in args]
-    p = subprocess.run(
-        [str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
-        env={**env(), **pod.env()},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    p = dry_run(mounted_argv(objs, pod, image("cpu"), tmp_path), pod, timeout=60)
     assert p.returncode == 0, p.stderr
     assert f"--rdzv-endpoint={kube.pods(objs)[0].dns_name}:" in p.stdout
     assert "is_host=0" in p.stdout and f"--local-addr={pod.ip}" in p.stdout
@@ -662,6 +648,17 @@ def mounted_argv(objs: list[dict], pod: kube.Pod, img, folder: Path) -> list[str
         (folder / "config" / name).write_text(text)
     mounts = {str(Path(config).parent): folder / "config"}
     return [kube.on_this_machine(a, mounts) for a in args]
+
+
+def dry_run(argv: list[str], pod: kube.Pod, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`trainer-launch --dry-run` (the pod's argv, from this venv) with the pod's environment."""
+    return subprocess.run(
+        [str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
+        env={**env(), **pod.env()},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_the_elastic_overlay_stays_elastic(tmp_path):
@@ -705,13 +702,7 @@ def test_the_elastic_overlay_stays_elastic(tmp_path):
     # Every world in MIN..MAX splits the config: the real CLI, with pod 1's env.
     pod = kube.pods(objs)[1]
     argv = mounted_argv(objs, pod, image(), tmp_path)
-    p = subprocess.run(
-        [str(Path(sys.executable).parent / argv[0]), "--dry-run", *argv[1:]],
-        env={**env(), **pod.env()},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = dry_run(argv, pod)
     assert p.returncode == 0, p.stderr
     command_line = p.stdout.splitlines()[-1].split()
     for flag in (f"--nnodes={lo}:{hi}", "--rdzv-backend=etcd-v2", "--rdzv-endpoint="):
