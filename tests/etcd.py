@@ -10,18 +10,19 @@ rendezvous speaks it), no peers, data in a temp folder, listening on the node's 
 
 from __future__ import annotations
 
-import os
-import shutil
+import functools
 import subprocess
 import time
 from pathlib import Path
 
 from tests import netns
+from tests.helpers import apt_install
 
 PACKAGES = ("etcd-server",)
 PORT = 2379
 
 
+@functools.cache
 def unavailable() -> str | None:
     """Why an etcd server cannot be started here (after installing it if it can), or None."""
     if why := netns.unavailable():
@@ -30,17 +31,7 @@ def unavailable() -> str | None:
         import etcd  # noqa: F401  (python-etcd: what torchrun's etcd rendezvous imports)
     except ImportError:
         return "needs python-etcd (make setup installs it from requirements.lock)"
-    if shutil.which("etcd"):
-        return None
-    if shutil.which("apt-get") is None:
-        return "needs etcd (Debian's etcd-server) and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if p.returncode != 0:
-            tail = (p.stderr or p.stdout).strip().splitlines()[-1:]
-            return f"`{' '.join(cmd)}` failed: {' '.join(tail)}"
-    return None if shutil.which("etcd") else "no etcd binary after apt-get install etcd-server"
+    return apt_install(PACKAGES, ("etcd",), "Debian's etcd server")
 
 
 class Etcd:

@@ -10,7 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -373,6 +373,32 @@ def checkpoints(run_dir) -> list[str]:
         if folder.is_dir()
         else []
     )
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is no zombie (read from /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def apt_install(packages: Sequence[str], binaries: Sequence[str], what: str) -> str | None:
+    """Install Debian `packages` with apt-get unless every one of `binaries` is on PATH; why not,
+    in one line (`what` names them), or None when they are there (tests/slurm.py, tests/etcd.py)."""
+    if all(shutil.which(b) for b in binaries):
+        return None
+    if shutil.which("apt-get") is None:
+        return f"needs {' '.join(packages)} ({what}) and there is no apt-get"
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *packages]):
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if p.returncode != 0:
+            tail = (p.stderr or p.stdout).strip().splitlines()[-1:]
+            return f"`{' '.join(cmd)}` failed: {' '.join(tail)}"
+    missing = [b for b in binaries if not shutil.which(b)]
+    return f"missing after apt-get install: {' '.join(missing)}" if missing else None
 
 
 def children(pid: int) -> list[int]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from tests import netns
+from tests.helpers import apt_install
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "nsenter")
@@ -39,18 +39,7 @@ def unavailable() -> str | None:
     """Why a cluster cannot be started here (None: it can), installing the packages if needed."""
     if reason := netns.unavailable():
         return reason
-    if all(shutil.which(b) for b in BINARIES):
-        return None
-    if shutil.which("apt-get") is None:
-        return f"needs {' '.join(PACKAGES)} (Slurm and munge) and there is no apt-get"
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *PACKAGES]):
-        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if p.returncode != 0:
-            tail = (p.stderr or p.stdout).strip().splitlines()[-1:]
-            return f"`{' '.join(cmd)}` failed: {' '.join(tail)}"
-    missing = [b for b in BINARIES if not shutil.which(b)]
-    return f"missing after apt-get install: {' '.join(missing)}" if missing else None
+    return apt_install(PACKAGES, BINARIES, "Slurm and munge")
 
 
 CONF = """\

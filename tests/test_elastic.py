@@ -25,6 +25,7 @@ from tests import etcd as etcd_server
 from tests import netns
 from tests.helpers import (
     ROOT,
+    alive,
     checkpoints,
     children,
     env,
@@ -149,12 +150,24 @@ def resumes(nodes, after: float) -> list[tuple[float, int, str]]:
     return sorted(found)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def job_env(etcd, rdzv_id: str, nnodes: str, **extra: str) -> dict[str, str]:
+    """Every node's environment: one process each, the rendezvous in `etcd`, paced steps."""
+    return env(
+        NNODES=nnodes,
+        NPROC_PER_NODE="1",
+        RDZV_BACKEND="etcd",
+        RDZV_ENDPOINT=etcd.endpoint,
+        RDZV_ID=rdzv_id,
+        TEST_STEP_DELAY="0.08",
+        **extra,
+    )
+
+
+def formed(nodes: list[Node], run: Path, world: int, at_least: int = 0) -> None:
+    """Wait for the group of `world` nodes, then for a checkpoint it saved (and >= at_least)."""
+    wait_for(lambda: first(nodes, rf"world {world} x cpu"), PHASE, f"world {world}", nodes[0].proc)
+    at = newest_step(run)
+    wait_for(lambda: newest_step(run) >= max(at_least, at + 5), PHASE, f"a checkpoint at {world}")
 
 
 def newest_step(run: Path) -> int:
@@ -179,31 +192,20 @@ def test_a_node_lost_back_and_drained_ends_on_the_one_process_bits(tmp_path, ref
     step's loss equal the one-process run's, bit for bit; the recovery times are printed."""
     run = tmp_path / "run"
     with netns.Network(4) as net, etcd_server.Etcd(net, 3, tmp_path) as etcd:
-        environ = env(
-            NNODES="2:3",
-            NPROC_PER_NODE="1",
-            RDZV_BACKEND="etcd",
-            RDZV_ENDPOINT=etcd.endpoint,
-            RDZV_ID="elastic-test",
-            MAX_RESTARTS="3",
-            RDZV_LAST_CALL_TIMEOUT="5",
-            TEST_STEP_DELAY="0.08",
-        )
+        environ = job_env(etcd, "elastic-test", "2:3", MAX_RESTARTS="3", RDZV_LAST_CALL_TIMEOUT="5")
         args = [*ARGS, f"run_dir={run}"]
         nodes = [Node(net, i, environ, tmp_path, args) for i in range(3)]
         try:
             # 0. All three in one group (a node that missed the first round's last call is
             # taken in at the next one), and a checkpoint since.
-            wait_for(lambda: first(nodes, r"world 3 x cpu"), PHASE, "world 3", nodes[1].proc)
-            at3 = newest_step(run)
-            wait_for(lambda: newest_step(run) >= max(10, at3 + 5), PHASE, "a checkpoint at 3")
+            formed(nodes, run, world=3, at_least=10)
             # 1. A node lost: SIGKILL of node 0, with rank 0 and the process group's store on it.
             saved = newest_step(run)
             survivors = nodes[1].workers()
             assert survivors, "no worker found on node 1"
             lost_at = time.monotonic()
             nodes[0].kill()
-            wait_for(lambda: not any(map(_alive, survivors)), PHASE, "node 1's worker to fail")
+            wait_for(lambda: not any(map(alive, survivors)), PHASE, "node 1's worker to fail")
             detected = time.monotonic()
             wait_for(lambda: resumes(nodes, lost_at), PHASE, "a resume at world 2", nodes[1].proc)
             when, step, change = resumes(nodes, lost_at)[0]
@@ -264,30 +266,25 @@ def test_a_silent_node_is_dropped_after_the_timeout_and_past_the_budget_the_job_
     line, and the newest checkpoint, resumed by one process, still ends on the reference bits."""
     run = tmp_path / "run"
     with netns.Network(3) as net, etcd_server.Etcd(net, 2, tmp_path) as etcd:
-        environ = env(
-            NNODES="1:2",
-            NPROC_PER_NODE="1",
-            RDZV_BACKEND="etcd",
-            RDZV_ENDPOINT=etcd.endpoint,
-            RDZV_ID="elastic-budget",
+        environ = job_env(
+            etcd,
+            "elastic-budget",
+            "1:2",
             MAX_RESTARTS="1",
             RDZV_LAST_CALL_TIMEOUT="3",
-            TEST_STEP_DELAY="0.08",
             TRAIN_ARGS="dist.timeout_s=10",
         )
         args = [*ARGS, f"run_dir={run}"]
         nodes = [Node(net, i, environ, tmp_path, args) for i in range(2)]
         try:
-            wait_for(lambda: first(nodes, r"world 2 x cpu"), PHASE, "world 2", nodes[0].proc)
-            at2 = newest_step(run)
-            wait_for(lambda: newest_step(run) >= at2 + 5, PHASE, "a checkpoint at world 2")
+            formed(nodes, run, world=2)
             # 1. Node 1 goes silent: its link down, its processes still running.
             survivors = nodes[0].workers()
             cut_at = time.monotonic()
             subprocess.run(
                 ["ip", "-n", net.nodes[1].namespace, "link", "set", "eth0", "down"], check=True
             )
-            wait_for(lambda: not any(map(_alive, survivors)), PHASE, "node 0's rank to give up")
+            wait_for(lambda: not any(map(alive, survivors)), PHASE, "node 0's rank to give up")
             gave_up = time.monotonic() - cut_at
             assert 9 <= gave_up <= 40, gave_up  # dist.timeout_s=10, not for ever
             wait_for(lambda: resumes(nodes, cut_at), PHASE, "a resume at world 1", nodes[0].proc)

@@ -188,14 +188,6 @@ def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path, monkeyp
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 @pytest.mark.slow
 def test_ranks_die_with_torchrun_and_a_run_folder_holds_one_job(tmp_path):
     """SIGKILL to torchrun's process group (a killed srun step, a lost shell): torchrun starts
@@ -228,7 +220,7 @@ def test_ranks_die_with_torchrun_and_a_run_folder_holds_one_job(tmp_path):
         assert f"pid {max(workers)}" in lines[0] or f"pid {min(workers)}" in lines[0]
         assert "since" in lines[0]
         os.killpg(first.pid, signal.SIGKILL)  # torchrun; its ranks are in sessions of their own
-        helpers.wait_for(lambda: not any(_alive(w) for w in workers), 10, "the ranks to end")
+        helpers.wait_for(lambda: not any(helpers.alive(w) for w in workers), 10, "the ranks to end")
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(first.pid, signal.SIGKILL)
