@@ -134,14 +134,17 @@ class _Counter:
 def piece_levels(start: int, stop: int) -> list[int]:
     """The levels of the pieces a counter started at `start` ends with after the leaves
     start..stop-1: the maximal aligned blocks of [start, stop), e.g. [3, 6) -> [0, 1)."""
-    levels: list[int] = []
-    for pos in range(start, stop):
-        level = 0
-        while pos & 1 and levels and levels[-1] == level:
-            levels.pop()
-            level, pos = level + 1, pos >> 1
-        levels.append(level)
-    return levels
+    counter = _Levels(start)
+    for _ in range(start, stop):
+        counter.add(None)
+    return [level for level, _ in counter.pieces()]
+
+
+class _Levels(_Counter):
+    """The counter's shape alone: what it adds is nothing."""
+
+    def _merge(self, left, right) -> None:
+        return None
 
 
 class TreeSum(_Counter):

@@ -387,35 +387,35 @@ def check_elastic_worlds(cfg, worlds: Sequence[int], rendezvous: Rendezvous | No
     """An elastic job may form any world in `worlds`: the config must hold on every one of them
     (the global batch splits, world_invariant's shards split, the layout fits), else the job
     would stop at the first membership change. One line, exit 2, before torchrun starts."""
-    from trainer.config import check_world_size, resolve_strategy
     from trainer.errors import ConfigError
 
+    errors = {world: _world_error(cfg, world) for world in worlds}
+    failing = [(world, e) for world, e in errors.items() if e is not None]
+    if not failing:
+        return
+    world, e = failing[0]
     nnodes = rendezvous.nnodes if rendezvous else "1"
     per_node = worlds[0] // int(nnodes.partition(":")[0])
-    for world in worlds:
-        try:
-            check_world_size(cfg, world)
-            resolve_strategy(cfg, world)
-        except ConfigError as e:
-            fits = [w for w in worlds if _fits(cfg, w)]
-            hint = f" (of its worlds, {', '.join(map(str, fits))} would)" if fits else ""
-            raise ConfigError(
-                f"NNODES={nnodes} may form a world of {world} ranks ({world // per_node} node(s) "
-                f"x {per_node}), where {e}{hint}: choose settings that every world in the range "
-                "splits, or narrow NNODES"
-            ) from None
+    fits = [w for w, err in errors.items() if err is None]
+    hint = f" (of its worlds, {', '.join(map(str, fits))} would)" if fits else ""
+    raise ConfigError(
+        f"NNODES={nnodes} may form a world of {world} ranks ({world // per_node} node(s) "
+        f"x {per_node}), where {e}{hint}: choose settings that every world in the range "
+        "splits, or narrow NNODES"
+    )
 
 
-def _fits(cfg, world: int) -> bool:
+def _world_error(cfg, world: int):
+    """The ConfigError the config meets on `world` ranks, or None."""
     from trainer.config import check_world_size, resolve_strategy
     from trainer.errors import ConfigError
 
     try:
         check_world_size(cfg, world)
         resolve_strategy(cfg, world)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as e:
+        return e
+    return None
 
 
 def _importable(module: str) -> bool:

@@ -184,9 +184,9 @@ def _rdzv_conf(raw: str | None) -> dict[str, str]:
 
 
 def _optional_int(
-    env: Mapping[str, str], names: str | tuple[str, ...], default: int, lo: int, what: str
+    env: Mapping[str, str], names: tuple[str, ...], default: int, lo: int, what: str
 ) -> int:
-    var, raw = _first(env, *((names,) if isinstance(names, str) else names))
+    var, raw = _first(env, *names)
     return env_int(var, raw, lo=lo, what=what) if var and raw is not None else default
 
 
@@ -218,14 +218,14 @@ def _limits(env: Mapping[str, str]) -> dict[str, int]:
         ),
         "join_timeout": _optional_int(
             env,
-            "RDZV_JOIN_TIMEOUT",
+            ("RDZV_JOIN_TIMEOUT",),
             DEFAULT_JOIN_TIMEOUT_S,
             1,
             "seconds to wait for the other nodes",
         ),
         "last_call": _optional_int(
             env,
-            "RDZV_LAST_CALL_TIMEOUT",
+            ("RDZV_LAST_CALL_TIMEOUT",),
             DEFAULT_LAST_CALL_S,
             0,
             "seconds an elastic rendezvous waits for more nodes",
