@@ -1268,3 +1268,28 @@ def test_trainer_launch_on_a_node_without_its_rendezvous_exits_4_in_one_line(tmp
         f"trainer-launch: error: node 1 cannot reach the rendezvous at 127.0.0.1:{port} ("
     ), p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists(), p.stderr
+
+
+@pytest.mark.slow
+def test_trainer_launch_without_its_etcd_exits_4_in_one_line(tmp_path):
+    """The etcd rendezvous' failure to connect is chained under the etcd client's and urllib3's
+    own tracebacks; it still ends in one line naming the etcd and the fix, exit 4."""
+    from tests.helpers import free_port
+
+    port = free_port()  # no etcd listens there
+    extra = dict(NNODES="1:2", RDZV_BACKEND="etcd", RDZV_ENDPOINT=f"127.0.0.1:{port}")
+    p = subprocess.run(
+        [str(BIN / "trainer-launch"), f"run_dir={tmp_path}/run"],
+        env=env(NPROC_PER_NODE="1", RDZV_ID="no-etcd", **extra),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 4, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"trainer-launch: error: this node cannot reach the etcd rendezvous at 127.0.0.1:{port} ("
+    ), p.stderr
+    assert "etcd --enable-v2" in last and "RDZV_ENDPOINT" in last, last
+    assert "Traceback" not in p.stderr and not (tmp_path / "run").exists(), p.stderr

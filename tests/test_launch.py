@@ -528,12 +528,16 @@ ELASTIC = {"NNODES": "1:3", "RDZV_BACKEND": "etcd", "RDZV_ENDPOINT": "127.0.0.1:
         (
             ["data.global_batch_size=64"],
             "NNODES=1:3 may form a world of 3 ranks (3 node(s) x 1), where "
-            "data.global_batch_size=64 does not split over 3 ranks",
+            "data.global_batch_size=64 does not split over 3 ranks (of its worlds, 1, 2 would): "
+            "use a multiple of 6, which every world in the range splits (e.g. "
+            "data.global_batch_size=60 or 66), or narrow NNODES",
         ),
         (
             ["data.global_batch_size=48", "repro.world_invariant=true"],
             "NNODES=1:3 may form a world of 3 ranks (3 node(s) x 1), where "
-            "repro.world_invariant=true cuts each global batch into repro.shards=8 shards",
+            "repro.world_invariant=true cuts each global batch into repro.shards=8 shards, "
+            "which 3 ranks cannot split evenly (of its worlds, 1, 2 would): set repro.shards to "
+            "a multiple of 6, which every world in the range splits (e.g. repro.shards=24)",
         ),
         (["data.global_batch_size=48", "repro.world_invariant=true", "repro.shards=6"], None),
     ],

@@ -106,6 +106,8 @@ class Rendezvous:
     """Seconds, as torchrun gets them (--rdzv-conf join_timeout)."""
     where: str | None = None
     """What the platform calls the host (Slurm: its node name), said beside the endpoint."""
+    backend: str = "c10d"
+    """c10d: the endpoint is node 0's store; etcd-v2: an etcd server (RDZV_ENDPOINT)."""
 
 
 @dataclass(frozen=True)
@@ -286,6 +288,7 @@ def _multi_node(
         nnodes=node.nnodes,
         node_rank=node.node_rank,
         join_timeout=conf["join_timeout"],
+        backend=node.backend,
     )
     return _Meeting(flags, added, summary, rendezvous)
 
@@ -398,11 +401,49 @@ def check_elastic_worlds(cfg, worlds: Sequence[int], rendezvous: Rendezvous | No
     per_node = worlds[0] // int(nnodes.partition(":")[0])
     fits = [w for w, err in errors.items() if err is None]
     hint = f" (of its worlds, {', '.join(map(str, fits))} would)" if fits else ""
-    raise ConfigError(
+    where = (
         f"NNODES={nnodes} may form a world of {world} ranks ({world // per_node} node(s) "
-        f"x {per_node}), where {e}{hint}: choose settings that every world in the range "
-        "splits, or narrow NNODES"
+        f"x {per_node}), where "
     )
+    if split := _split_for_all(cfg, worlds, world):
+        reason, fix = split
+        raise ConfigError(f"{where}{reason}{hint}: {fix}, or narrow NNODES")
+    raise ConfigError(
+        f"{where}{e}{hint}: choose settings that every world in the range splits, or narrow NNODES"
+    )
+
+
+def _split_for_all(cfg, worlds: Sequence[int], world: int) -> tuple[str, str] | None:
+    """(what `world` cannot split, the value every world splits) when the trouble is a count
+    the data-parallel degrees must divide (the shards, the global batch); None otherwise. The
+    fix names a multiple of all of them: one world's own suggestion may fail on another."""
+    import math
+
+    from trainer.config import layout_of
+    from trainer.errors import ConfigError
+
+    try:
+        degrees = [layout_of(cfg, w).dp for w in worlds]
+        dp = layout_of(cfg, world).dp
+    except ConfigError:
+        return None
+    step = math.lcm(*degrees)
+    k, b = cfg.repro.shards, cfg.data.global_batch_size
+    if cfg.repro.world_invariant and k % dp:
+        return (
+            f"repro.world_invariant=true cuts each global batch into repro.shards={k} shards, "
+            f"which {dp} ranks cannot split evenly",
+            f"set repro.shards to a multiple of {step}, which every world in the range splits "
+            f"(e.g. repro.shards={math.lcm(k, step)})",
+        )
+    if b % dp:
+        lo, hi = (b // step) * step, (b // step + 1) * step
+        return (
+            f"data.global_batch_size={b} does not split over {dp} ranks",
+            f"use a multiple of {step}, which every world in the range splits (e.g. "
+            f"data.global_batch_size={f'{lo} or {hi}' if lo else hi})",
+        )
+    return None
 
 
 def _world_error(cfg, world: int):
@@ -539,6 +580,18 @@ RENDEZVOUS_FAILURE = re.compile(
     rb"^torch\.distributed\.elastic\.rendezvous\.api\.(Rendezvous(?!GracefulExit)\w*Error)\b:? ?(.*)"
 )
 """The last line of torchrun's traceback when this node could not join the others."""
+RENDEZVOUS_CAUSES = (
+    b"torch.distributed.",
+    b"etcd.",
+    b"urllib3.exceptions.",
+    b"ConnectionRefusedError",
+    b"ConnectionResetError",
+    b"TimeoutError",
+    b"socket.",
+)
+"""What the inner causes of a rendezvous failure are: torch's store errors, and the etcd
+rendezvous' client (python-etcd over urllib3) and the socket errors under it. A traceback ending
+in one of these is held until its chain ends; any other is judged at its last line."""
 
 
 class Traceback:
@@ -567,7 +620,7 @@ class Traceback:
             # Judged at once unless it may be the inner cause of torchrun's rendezvous failure
             # (a torch.distributed error): a worker's traceback is never held for longer.
             self.judged = bool(RENDEZVOUS_FAILURE.match(text)) or not text.startswith(
-                b"torch.distributed."
+                RENDEZVOUS_CAUSES
             )
             return True
         elif state in ("exception", "cause") and not text:
@@ -711,9 +764,12 @@ def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
     assert match is not None
     kind = match.group(1).decode()
     node = "this node" if rendezvous.node_rank is None else f"node {rendezvous.node_rank}"
-    where = f"the rendezvous at {rendezvous.endpoint}"
+    etcd = rendezvous.backend != "c10d"
+    where = f"the {'etcd ' if etcd else ''}rendezvous at {rendezvous.endpoint}"
     if rendezvous.where:
         where += f" ({rendezvous.where})"
+    if etcd:
+        return _etcd_error(kind, failure, rendezvous, node, where)
     if unknown := unresolved(rendezvous.host):
         return (
             f"trainer-launch: error: {node} cannot reach {where}: MASTER_ADDR {rendezvous.host} "
@@ -738,6 +794,38 @@ def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
         f"trainer-launch: error: {node} cannot reach {where} ({shorten(reason, 160)}): check "
         "that node 0 is running and that MASTER_ADDR and MASTER_PORT name it (a firewall or "
         "NetworkPolicy must let this node reach that port)"
+    )
+
+
+def _etcd_error(kind: str, failure: Traceback, rendezvous: Rendezvous, node: str, where: str):
+    """rendezvous_error's line for the etcd rendezvous: the fix is the etcd server or its
+    address (RDZV_ENDPOINT), never node 0."""
+    from trainer.ranks import unresolved
+
+    if unknown := unresolved(rendezvous.host):
+        return (
+            f"trainer-launch: error: {node} cannot reach {where}: RDZV_ENDPOINT's host "
+            f"{rendezvous.host} does not resolve ({unknown}): check the name (on Kubernetes, "
+            "the etcd Service's)"
+        )
+    least = rendezvous.nnodes.partition(":")[0]
+    if kind == "RendezvousTimeoutError":
+        return (
+            f"trainer-launch: error: {where} did not gather {least} nodes within "
+            f"{rendezvous.join_timeout} s: start at least {least} nodes with the same "
+            "RDZV_ENDPOINT and RDZV_ID, or raise RDZV_JOIN_TIMEOUT"
+        )
+    if kind == "RendezvousClosedError":
+        return (
+            f"trainer-launch: error: {where} was closed before {node} joined (the job under "
+            "this RDZV_ID ended): give a new job a new RDZV_ID"
+        )
+    inner = failure.exceptions[0].decode("utf-8", "replace")  # the innermost cause
+    reason = inner.partition(": ")[2].strip() or inner.rpartition(".")[2]
+    return (
+        f"trainer-launch: error: {node} cannot reach {where} ({shorten(reason, 160)}): check "
+        "that etcd runs there with its v2 API (etcd --enable-v2, etcd 3.4 or 3.5) and that "
+        "RDZV_ENDPOINT names it"
     )
 
 
