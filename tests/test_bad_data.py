@@ -264,6 +264,7 @@ def test_a_broken_image_names_the_file(tmp_path, content):
     line = _one_line(e)
     assert line.startswith(f"data.name=imagefolder: cannot decode {path} (")
     assert line.endswith("): remove or replace the file")
+    assert "BytesIO" not in line and " at 0x" not in line  # PIL's name for its buffer
 
 
 # --- downloads -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 
 import numpy as np
@@ -72,9 +73,11 @@ class FolderDataset(torch.utils.data.Dataset):
                 "data.image_size needs)"
             ) from None
         except Exception as e:  # a damaged file makes PIL raise OSError, SyntaxError, ValueError...
+            # PIL names the in-memory buffer it was given (`<_io.BytesIO object at 0x...>`)
+            cause = re.sub(r"<_io\.BytesIO object at 0x[0-9a-f]+>", "it", first_line(e))
             raise UsageError(
                 f"data.name=imagefolder: cannot decode {path} ({type(e).__name__}: "
-                f"{first_line(e)}): remove or replace the file"
+                f"{cause}): remove or replace the file"
             ) from None
 
     def _decoded(self, img, data: bytes) -> torch.Tensor:
