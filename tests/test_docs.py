@@ -273,3 +273,90 @@ def test_the_size_sweep_table_in_docs_benchmarks_is_the_committed_result():
     assert measured[1:] == expected
     params = [s["params"] for s in sweep["sizes"]]
     assert len(params) >= 3 and params[-1] >= 10 * params[0]  # at least a 10x range of sizes
+
+
+# --- every training command the docs and the scripts' headers show ------------------------------
+
+_ENTRY = re.compile(
+    r"(?:^|\s)(?:trainer train|-m trainer train|slurm/\S+\.sbatch|trainer-launch)(?=\s|$)"
+)
+_PLACEHOLDERS = (
+    "...",
+    "…",
+    "NAME",
+    "PATH",
+    "path/to",
+    "[",
+    "my.yaml",
+    "runs/local-",
+    "runs/digits",
+)
+"""A command holding one of these is a pattern, not a command (`--config NAME`, `[k=v ...]`) or
+names a run folder of the reader's own (`--config runs/...`)."""
+
+
+def _training_commands() -> list[tuple[str, str, str]]:
+    """(where, command, its trainer arguments) for every line of a bash block in the README and
+    docs/*.md, and every `#   command` line of a script's header (slurm/*, docker/*, scripts/*),
+    that starts training: `trainer train`, `torchrun ... -m trainer train`, `sbatch
+    slurm/...sbatch`, `trainer-launch` (a continued line joined, a trailing comment dropped).
+    Left out: patterns and runs of the reader's own (_PLACEHOLDERS, --resume, --dry-run) and
+    trainer-launch running another program (`-- python ...`, `bash`)."""
+    found = []
+    for page, text in {"README.md": README, **{f"docs/{n}": t for n, t in DOCS.items()}}.items():
+        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, re.S):
+            found += [(page, line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    for path in sorted([*ROOT.glob("slurm/*"), *ROOT.glob("docker/*"), *ROOT.glob("scripts/*")]):
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                if line.startswith("#   "):
+                    found.append((str(path.relative_to(ROOT)), line[4:]))
+    commands = []
+    for where, line in found:
+        command = re.split(r"\s#\s", line.strip().removeprefix("$ "))[0].strip()
+        entry = _ENTRY.search(command)
+        if entry is None or command.startswith("#"):
+            continue
+        args = shlex.split(command[entry.end() :])
+        if (
+            any(p in command for p in _PLACEHOLDERS)
+            or {"--resume", "--dry-run", "--"} & set(args)
+            or args == ["bash"]
+        ):
+            continue
+        commands.append((where, command, args))
+    return commands
+
+
+TRAINING_COMMANDS = _training_commands()
+
+
+def _world_size(command: str) -> int:
+    """The world a command asks for: torchrun's --nnodes x --nproc-per-node, sbatch's --nodes x
+    --gpus-per-node (the script's default: 2 nodes), 1 otherwise."""
+
+    def get(flag: str, default: int) -> int:
+        m = re.search(flag + r"[= ](\d+)", command)
+        return int(m.group(1)) if m else default
+
+    if "sbatch" in command:
+        return get("--nodes", 2) * get("--gpus-per-node", get("NPROC_PER_NODE", 1))
+    return get("--nnodes", 1) * get("--nproc-per-node", 1)
+
+
+def test_the_docs_and_script_headers_show_training_commands():
+    where = {w for w, _, _ in TRAINING_COMMANDS}
+    assert {"README.md", "docs/slurm.md", "docs/training.md", "slurm/train.sbatch"} <= where, where
+    assert len(TRAINING_COMMANDS) >= 25, TRAINING_COMMANDS
+
+
+@pytest.mark.parametrize(
+    "where, command, args", TRAINING_COMMANDS, ids=[c for _, c, _ in TRAINING_COMMANDS]
+)
+def test_every_training_command_shown_is_a_valid_config_at_its_world_size(where, command, args):
+    """`trainer config check --world-size=N` on each shown command's trainer arguments (issue 56:
+    slurm/train.sbatch's header named a preset that does not exist; docs/data.md resumed a run
+    of global batch 128 on 3 ranks). `optim.lrr=0.1` is the README's example of a mistake."""
+    code, _, err = _run(["config", "check", f"--world-size={_world_size(command)}", *args])
+    expected = 2 if "optim.lrr=0.1" in args else 0
+    assert code == expected, f"{where}: {command}: {err.strip()}"
