@@ -360,3 +360,18 @@ def test_every_training_command_shown_is_a_valid_config_at_its_world_size(where,
     code, _, err = _run(["config", "check", f"--world-size={_world_size(command)}", *args])
     expected = 2 if "optim.lrr=0.1" in args else 0
     assert code == expected, f"{where}: {command}: {err.strip()}"
+
+
+def test_what_the_slurm_script_and_docs_write_in_the_checkout_is_ignored_by_git():
+    """slurm/train.sbatch's log (`--output=%x-%j.out` of job name `train`) and docs/torchx.md's
+    `job_dir=jobs/...` land where the user submits, the checkout's root (issue 56 item 7)."""
+    import subprocess
+
+    script = (ROOT / "slurm" / "train.sbatch").read_text()
+    name = re.search(r"^#SBATCH --job-name=(\S+)", script, re.M).group(1)
+    log = re.search(r"^#SBATCH --output=(\S+)", script, re.M).group(1)
+    job_dir = re.search(r"job_dir=(\S+)", DOCS["torchx.md"]).group(1)
+    paths = [log.replace("%x", name).replace("%j", "4242"), "slurm-4242.out", f"{job_dir}/x"]
+    for path in paths:
+        ignored = subprocess.run(["git", "check-ignore", "-q", path], cwd=ROOT).returncode == 0
+        assert ignored, f"{path} is not in .gitignore"
