@@ -321,6 +321,7 @@ def test_preempted_job_requeues_and_comes_back_on_fewer_nodes_with_the_same_bits
     assert "Traceback" not in out, out[-3000:]  # torchrun signalled once: its report held back
     summary = __import__("json").loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2  # the second attempt ran on one node
+    assert summary["slurm_restart_count"] == 1 and summary["restart_count"] == 0
     same_losses(run, reference)
     same_weights(run, reference)
 
@@ -414,3 +415,24 @@ def test_the_torchx_component_on_slurm_equals_one_process(cluster, reference, tm
     job = handle.rpartition("/")[2]
     assert cluster.wait(job) == "COMPLETED", (job_dir / f"slurm-{job}.out").read_text()[-3000:]
     same_weights(job_dir / "runs" / job, reference)
+
+
+def test_summary_records_slurms_requeue_count_beside_torchruns(tmp_path, monkeypatch):
+    """summary.json: `slurm_restart_count` is the job's SLURM_RESTART_COUNT (a requeued job's
+    attempt), `restart_count` torchrun's restarts within the attempt; None outside Slurm."""
+    import json
+
+    from tests.helpers import TINY, train_here
+
+    for name in ("SLURM_JOB_ID", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    args = ("train", *TINY, "train.max_steps=1", "log.tensorboard=false", "log.progress=plain")
+    train_here(*args, f"run_dir={tmp_path / 'off'}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    train_here(*args, f"run_dir={tmp_path / 'on'}")
+    got = {
+        name: json.loads((tmp_path / name / "summary.json").read_text()) for name in ("off", "on")
+    }
+    assert got["off"]["slurm_restart_count"] is None
+    assert got["on"]["slurm_restart_count"] == 2 and got["on"]["restart_count"] == 0

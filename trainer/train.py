@@ -219,6 +219,16 @@ def _schedule_changes(run: Run) -> dict:
     return run.resumed.schedule_changes if run.resumed else {}
 
 
+def _slurm_restarts(environ) -> int | None:
+    """Slurm's requeue count of the job (SLURM_RESTART_COUNT: 0 for the first attempt, absent
+    until Slurm requeues it there), beside torchrun's restart_count (restarts within one
+    attempt); None outside a Slurm job."""
+    if not environ.get("SLURM_JOB_ID"):
+        return None
+    raw = environ.get("SLURM_RESTART_COUNT", "0")
+    return int(raw) if raw.isascii() and raw.isdigit() else None
+
+
 def _run_record(run: Run, hosts: list | None) -> dict:
     w = run.world
     return {
@@ -231,6 +241,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "strategy": run.mesh.dims.name,
         "model_build": "deferred" if run.deferred else "whole",
         "restart_count": w.restart_count,
+        "slurm_restart_count": _slurm_restarts(os.environ),
         "git": repro.git_commit() if w.is_main else None,
         "versions": metrics.versions(),
         "argv": sys.argv,
