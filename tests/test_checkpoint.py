@@ -634,3 +634,34 @@ def test_a_streamed_safetensors_file_loads_with_safetensors_alone(tmp_path):
         writer.write("n", state["n"])
     writer.abort()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+
+
+def test_the_weights_digest_is_the_tensors_alone(tmp_path):
+    """checkpoint/digest.py: the same tensors in another order, with other metadata, digest
+    alike (the files differ); one changed bit, a renamed key or another dtype do not."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from trainer.checkpoint.digest import file_digest
+
+    t = {"b.weight": torch.randn(3, 4), "a.bias": torch.arange(5.0), "s": torch.tensor(2.0)}
+    save_file(t, tmp_path / "1.safetensors", metadata={"config": "run_dir: runs/one"})
+    save_file(dict(reversed(t.items())), tmp_path / "2.safetensors", metadata={"x": "y"})
+    flipped = {**t, "s": torch.tensor(2.0).view(torch.int32).add(1).view(torch.float32)}
+    save_file(flipped, tmp_path / "3.safetensors")
+    renamed = {("s2" if k == "s" else k): v for k, v in t.items()}
+    save_file(renamed, tmp_path / "4.safetensors")
+    save_file({**t, "s": torch.tensor(2.0, dtype=torch.float64)}, tmp_path / "5.safetensors")
+    files = [tmp_path / f"{i}.safetensors" for i in range(1, 6)]
+    assert files[0].read_bytes() != files[1].read_bytes()
+    digests = [file_digest(str(f)) for f in files]
+    assert digests[0] == digests[1] and len(set(digests[1:])) == 4
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.checkpoint.digest", *map(str, files[:2])],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split("\n")
+    assert [line.split()[0] for line in out if line] == digests[:2]

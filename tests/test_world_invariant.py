@@ -5,6 +5,7 @@ The multi-process tests run the real torchrun at each world size (8 ranks on 2 c
 but fine for a few steps) and compare per-step losses, eval metrics and final weights with ==.
 """
 
+import hashlib
 import json
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from tests.helpers import TINY_GPT, read_jsonl, shared_run, train_here, trainer, weights
 from trainer import config, invariant, sampler
+from trainer.checkpoint.digest import file_digest
 from trainer.errors import ConfigError
 
 MLP = [
@@ -272,6 +274,7 @@ def _record(run_dir) -> dict:
             if r["kind"] == "eval"
         ],
         "weights": weights(run_dir),
+        "digest": json.loads((run_dir / "summary.json").read_text())["weights_sha256"],
         "run_dir": run_dir,
     }
 
@@ -282,6 +285,13 @@ def _assert_identical(got: dict, ref: dict) -> None:
     assert got["weights"].keys() == ref["weights"].keys()
     for name, t in ref["weights"].items():
         assert torch.equal(got["weights"][name], t), name
+    # summary.json's digest of the tensors alone agrees; the files differ (their config metadata)
+    assert got["digest"] == ref["digest"] == file_digest(ref["run_dir"] / "final/model.safetensors")
+    assert _sha256(got["run_dir"]) != _sha256(ref["run_dir"])
+
+
+def _sha256(run_dir) -> str:
+    return hashlib.sha256((run_dir / "final" / "model.safetensors").read_bytes()).hexdigest()
 
 
 @pytest.mark.slow
@@ -324,6 +334,11 @@ def test_without_the_mode_world_sizes_differ_in_the_last_bits(reference_runs):
     session's reference runs, 69 steps of the MLP, which test_distributed compares too)."""
     w1, w2 = weights(reference_runs(1)), weights(reference_runs(2))
     assert any(not torch.equal(w1[k], w2[k]) for k in w1)
+    digests = [
+        json.loads((reference_runs(world) / "summary.json").read_text())["weights_sha256"]
+        for world in (1, 2)
+    ]
+    assert digests[0] != digests[1] and None not in digests
     assert all(torch.allclose(w1[k], w2[k], rtol=0, atol=1e-5) for k in w1)
 
 

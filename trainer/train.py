@@ -32,6 +32,7 @@ from trainer import (
     strategy,
     tracking,
 )
+from trainer.checkpoint.digest import TensorDigest
 from trainer.checkpoint.weights import save_streamed
 from trainer.config import Config, check_world_size, to_dict
 from trainer.diagnostics import flight_recorder_env
@@ -257,7 +258,7 @@ def finish(run: Run, record: dict) -> dict:
     state, results, w = run.state, run.results, run.world
     train_time = results.train_time_s  # all segments of a resumed run
     skipped = ranks.gather_objects(run.step.skipped_steps)  # fp16 overflow, per rank
-    failed = _write_final(run)  # every rank: the weights stream to rank 0
+    failed, digest = _write_final(run)  # every rank: the weights stream to rank 0
     memory = ranks.gather_objects(run.memory())  # after the final save: its peak counts
     summary = {
         **record,
@@ -279,6 +280,7 @@ def finish(run: Run, record: dict) -> dict:
             torch.cuda.max_memory_allocated(w.device) / 2**30 if w.on_cuda else None
         ),
         "config": to_dict(run.cfg),
+        "weights_sha256": digest,  # final/'s tensors alone (checkpoint/digest.py); rank 0's
     }
     if w.is_main:
         try:
@@ -296,23 +298,30 @@ def finish(run: Run, record: dict) -> dict:
     return summary
 
 
-def _write_final(run: Run) -> OSError | None:
+def _write_final(run: Run) -> tuple[OSError | None, str | None]:
     """final/model.safetensors, streamed tensor by tensor from the ranks that hold the weights
-    (a collective: every rank goes through all of them); rank 0's write error, returned once
-    every rank has."""
+    (a collective: every rank goes through all of them), and on rank 0 its tensors' digest
+    (checkpoint/digest.py: the same for the same weights, whatever the file's metadata); rank
+    0's write error, returned once every rank has."""
     p, main = run.parts, run.world.is_main
     tensors = namedstate.whole_tensors(p, run.mesh, main)
-    error = None
+    error, digest = None, TensorDigest()
+
+    def digested():
+        for name, tensor in tensors:
+            digest.add(name, tensor)
+            yield name, tensor
+
     if main:
         layout = {k: (p.shapes[k], p.dtypes[k]) for k in p.shapes}
         final = os.path.join(run.run_dir, "final")
         try:
-            save_streamed(final, layout, tensors, metadata={"config": run.ckpt.config_yaml})
+            save_streamed(final, layout, digested(), metadata={"config": run.ckpt.config_yaml})
         except OSError as e:
             error = e
     for _ in tensors:  # the rest (or all, off rank 0), so the others' sends are met
         pass
-    return error
+    return error, (digest.hexdigest() if main and error is None else None)
 
 
 def _step_split(run: Run) -> dict | None:
