@@ -430,3 +430,29 @@ def test_argparse_errors_shorten_a_huge_argument(argv, capsys):
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1, err[:300]
     assert len(err) < 300 and "(100,0" in err and "characters)" in err, err[:300]
+
+
+def test_a_ranks_error_line_is_one_write_with_its_newline(monkeypatch):
+    """Two ranks' lines on one terminal ran together ("...model.name=gpt trainer: error: ..."):
+    print() wrote the line and its newline apart, so another rank's line came between."""
+    import io
+
+    from trainer import exitstatus
+    from trainer.errors import UsageError
+
+    class Writes(io.StringIO):
+        def __init__(self):
+            super().__init__()
+            self.calls = []
+
+        def write(self, s):
+            self.calls.append(s)
+            return super().write(s)
+
+    stderr = Writes()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv(exitstatus.STATUS_DIR_ENV, raising=False)
+    e = UsageError("rank 1: model.name=gpt needs data.name=text")  # every rank reports it
+    assert exitstatus.report(e) == 2
+    assert stderr.calls == [f"trainer: error: {e}\n"]

@@ -127,7 +127,10 @@ def report(e: TrainerError, prog: str = "trainer") -> int:
         named = rank in ("", "0") or str(e).startswith(f"rank {rank}")
         kind = "" if isinstance(e, Preempted) else "error: "
         line = f"{prog}: {kind}{'' if named else f'[rank {rank}] '}{e}"
-        print(line, file=sys.stderr, flush=True)
+        # One write with its newline: print() writes the line and the "\n" apart, and two
+        # ranks' lines on a shared terminal ran together ("...model.name=gpt trainer: error: ...").
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
         record_message(line)
     else:  # rank 0 says it: an early exit here would let torchrun stop rank 0 before it does
         if isinstance(e, Preempted):  # but every node's launcher ends with the stop's line
