@@ -353,10 +353,14 @@ def test_the_docs_and_script_headers_show_training_commands():
 @pytest.mark.parametrize(
     "where, command, args", TRAINING_COMMANDS, ids=[c for _, c, _ in TRAINING_COMMANDS]
 )
-def test_every_training_command_shown_is_a_valid_config_at_its_world_size(where, command, args):
+def test_every_training_command_shown_is_a_valid_config_at_its_world_size(
+    where, command, args, monkeypatch
+):
     """`trainer config check --world-size=N` on each shown command's trainer arguments (issue 56:
     slurm/train.sbatch's header named a preset that does not exist; docs/data.md resumed a run
-    of global batch 128 on 3 ranks). `optim.lrr=0.1` is the README's example of a mistake."""
+    of global batch 128 on 3 ranks). `optim.lrr=0.1` is the README's example of a mistake;
+    `log.mlflow.uri=env` reads the variable the page says to set."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     code, _, err = _run(["config", "check", f"--world-size={_world_size(command)}", *args])
     expected = 2 if "optim.lrr=0.1" in args else 0
     assert code == expected, f"{where}: {command}: {err.strip()}"
