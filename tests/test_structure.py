@@ -14,7 +14,7 @@ LAYERS = [
     "jsonfile",
     "trainer checkpoint datasets errors batch sampler results signals noise startup metrics "
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
-    "checkpoint.writer tracking.sender",
+    "checkpoint.writer checkpoint.digest tracking.sender",
     "tracking.mlflow_rest parallel parallel.layout parallel.styles parallel.split storage "
     "checkpoint.files",
     "tracking.wandb_sink",

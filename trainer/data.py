@@ -374,10 +374,9 @@ def _views(rows: batches.Batch, group: list) -> Iterator[tuple[int, batches.Batc
         at += b - a
 
 
-ALIGN = 64
-"""Bytes a step's float tensors start on (the CPU allocator's alignment): the CPU's matmuls
-(MKL) take another path for an input at another offset, with other bits, so a view into a take
-is used only where every step's rows start on it; elsewhere each step has its own take."""
+ALIGN = batches.ALIGN
+"""Bytes a step's float tensors start on (batch.ALIGN): a view into a take is used only where
+every step's rows start on it; elsewhere each step has its own take."""
 
 
 def steps_per_take(split: Split, spans: list) -> int:

@@ -199,7 +199,9 @@ class TrainStep:
         group = max(1, micro // max(widest, 1)) if micro else len(mine)
         seed = lambda k: seed_shard(self.seed, index, k, self.device)  # noqa: E731
         grouped = whole and shards.grouped
-        cuts = [(k, batches.cut(batch, lo, hi) if hi > lo else None) for k, lo, hi in mine]
+        # Each cut starts on ALIGN bytes, wherever this world puts it (batch.aligned)
+        cut = lambda lo, hi: batches.aligned(batches.cut(batch, lo, hi))  # noqa: E731
+        cuts = [(k, cut(lo, hi) if hi > lo else None) for k, lo, hi in mine]
         if not (grouped and shards.run_grouped(cuts, group, self._loss_for(terms), seed)):
             shards.begin(fold=whole)
             for k, lo, hi in mine:
@@ -208,7 +210,7 @@ class TrainStep:
                 if hi > lo:  # an empty shard (a tail batch smaller than the shards) adds zeros
                     seed(k)
                     for chunk in self._chunks(batches.cut(batch, lo, hi)):
-                        local += self._backward(chunk, 1.0 / terms)
+                        local += self._backward(batches.aligned(chunk), 1.0 / terms)
                 shards.end_shard(local)
         losses = shards.combine()
         self._update()
