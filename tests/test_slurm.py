@@ -33,7 +33,7 @@ def step(nodes=2, tasks=2, node=0, **extra) -> dict[str, str]:
         "SLURM_STEP_NUM_TASKS": str(tasks),
         "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nodes})",
         "SLURM_NODEID": str(node),
-        "SLURM_STEP_NODELIST": "gpu[07-08]",
+        "SLURM_STEP_NODELIST": "gpu07" if nodes == 1 else f"gpu[07-{6 + nodes:02d}]",
         **extra,
     }
 

@@ -902,6 +902,23 @@ def _launch(args: list[str], dry_run: bool) -> int:
         signals.restore()
 
 
+def _slurm_step_plan(
+    plan: Plan, job: slurm.SlurmJob, env: Mapping[str, str], gpus: int, cpus: int
+) -> Plan:
+    """The plan for a Slurm job step (slurm_plan), with the route towards the first node (one
+    task per process on several nodes); one task per node warns when its processes outnumber
+    the task's CPUs (SLURM_CPUS_PER_TASK)."""
+    route = None
+    if job.per_task and job.nodes > 1:
+        first = {k: job.env[k] for k in ("MASTER_ADDR", "MASTER_PORT")}
+        route = probe_route(read_node(first, gpus=0, cpus=1), env)
+    elif not job.per_task:
+        warning = slurm.nproc_warning(env, read_node(env, gpus=gpus, cpus=cpus).nproc)
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
+    return slurm_plan(plan, job, env, cpus, route)
+
+
 def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
     env = os.environ
     user_threads(env)  # a bad OMP_NUM_THREADS: one line here, before torch's OpenMP complains
@@ -917,11 +934,7 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         env = {**env, **job.env} if job else env
     plan = make_plan(env, command, gpus=gpus, cpus=cpus, python=sys.executable, probe=probe_route)
     if job is not None:
-        route = None
-        if job.per_task and job.nodes > 1:
-            first = {k: job.env[k] for k in ("MASTER_ADDR", "MASTER_PORT")}
-            route = probe_route(read_node(first, gpus=0, cpus=1), env)
-        plan = slurm_plan(plan, job, env, cpus, route)
+        plan = _slurm_step_plan(plan, job, env, gpus, cpus)
         signals.forward = False
     if cfg is not None and plan.world_size:
         from trainer.config import check_world_size, resolve_strategy

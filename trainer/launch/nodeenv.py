@@ -139,7 +139,7 @@ def _nproc(name: str | None, raw: str, gpus: int, cpus: int, visible: str | None
         return gpus
     if raw == "cpu":
         return max(1, cpus)
-    if not raw.isdigit():
+    if not re.fullmatch(r"[0-9]+", raw):  # ASCII: str.isdigit() takes '²' and '٣'
         raise UsageError(f"{label} is not valid: use auto, gpu, cpu or a number of processes")
     nproc = env_int(str(name), raw, lo=1, what="the number of processes on this node")
     if gpus and nproc > gpus:
