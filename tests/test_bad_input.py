@@ -1052,6 +1052,31 @@ def test_a_diverging_run_stops_with_exit_2_and_keeps_the_good_checkpoints(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("key", ["run_dir", "ckpt.dir"])
+def test_trainer_launch_refuses_a_folder_it_cannot_write_before_torchrun(tmp_path, key):
+    """Every node checks the run folder (and a local ckpt.dir) before torchrun starts: on Slurm a
+    read-only one was found by a rank ~30 s in, after the rendezvous, and the other node's
+    torchrun printed C++ frames and a RendezvousConnectionError (issue 56 item 1). The probe
+    leaves nothing behind."""
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "run"  # unwritable for everyone, root included
+    args = [f"{key}={bad}"] + ([f"run_dir={tmp_path}/run"] if key == "ckpt.dir" else [])
+    p = subprocess.run(
+        [str(BIN / "trainer-launch"), *args],
+        env=env(NPROC_PER_NODE="2"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"trainer-launch: error: {key} {bad} is not writable on this node")
+    assert line.endswith(f"point {key} at writable storage")
+    assert "trainer-launch: torchrun" not in p.stderr  # no torchrun started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
 def test_trainer_launch_ends_with_the_ranks_one_line_once(tmp_path):
     p = subprocess.run(
         [

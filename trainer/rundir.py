@@ -14,8 +14,10 @@ Rank 0 decides and every rank gets the same answer.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 
 from trainer.errors import UsageError
@@ -97,4 +99,26 @@ def _attempt_of(name: str, run_id: str) -> str | None:
                     return folder
         except (OSError, ValueError):
             continue
+    return None
+
+
+def probe_folder(folder: str) -> OSError | None:
+    """Create `folder` (with its parents) and a file in it, then remove what this made, leaving
+    nothing behind: the OSError a run writing there would meet, or None."""
+    created = []  # the folders made here, removed again (deepest first)
+    at = folder
+    while not os.path.lexists(at) and os.path.dirname(at) != at:
+        created.append(at)
+        at = os.path.dirname(at)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=folder)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return e
+    finally:
+        for at in created:
+            with contextlib.suppress(OSError):
+                os.rmdir(at)
     return None

@@ -21,13 +21,12 @@ import dataclasses
 import functools
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trainer import metrics, ranks, repro, storage
+from trainer import metrics, ranks, repro, rundir, storage
 from trainer.checkpoint import bucket, store
 from trainer.checkpoint.resume import Resume, choose_resume, decide, resume_line, schedule_line
 from trainer.checkpoint.weights import non_finite_text
@@ -239,25 +238,11 @@ class Checkpointer:
             except RetryableError as e:
                 raise CheckpointWriteError(str(e)) from None
             return
-        created = []  # the folders the probe makes, removed again: it leaves nothing behind
-        folder = self.root
-        while not os.path.lexists(folder) and os.path.dirname(folder) != folder:
-            created.append(folder)
-            folder = os.path.dirname(folder)
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=self.root)
-            os.close(fd)
-            os.remove(probe)
-        except OSError as e:
+        if (e := rundir.probe_folder(self.root)) is not None:
             error = io_error(e, f"ckpt.dir {self.root} is not writable", WRITABLE_FIX)
             raise (ConfigError if isinstance(error, UsageError) else CheckpointWriteError)(
                 str(error)
-            ) from None
-        finally:
-            for folder in created:  # deepest first
-                with contextlib.suppress(OSError):
-                    os.rmdir(folder)
+            )
 
     def _load(self, path: str) -> Resume:
         """Load the checkpoint at `path` into the parts (a collective under fsdp); one in a

@@ -386,6 +386,26 @@ def check_trainer_config(command: Command):
     return cli.load_config(cli.parse(list(command.trainer_args)))
 
 
+def check_run_folder(cfg) -> None:
+    """The run folder the ranks will write (run_dir, else runs/<name>: trainer-launch pins it
+    for its ranks) and a local ckpt.dir, probed on this node before torchrun starts: a folder
+    no rank can write is one line here (exit 2 when the path is at fault, 4 when it may clear
+    up), on every node, not a rank's error after the rendezvous with the other nodes' torchrun
+    reports after it."""
+    from trainer import rundir, storage
+    from trainer.errors import io_error
+
+    folder = cfg.run_dir or rundir.runs_of(cfg.name)
+    checks = [
+        (path, key, f"point {key} at writable storage")
+        for path, key in ((folder, "run_dir"), (cfg.ckpt.dir, "ckpt.dir"))
+        if path and not storage.is_url(path)
+    ]
+    for path, key, fix in checks:
+        if (e := rundir.probe_folder(path)) is not None:
+            raise io_error(e, f"{key} {path} is not writable on this node", fix)
+
+
 def check_elastic_worlds(cfg, worlds: Sequence[int], rendezvous: Rendezvous | None) -> None:
     """An elastic job may form any world in `worlds`: the config must hold on every one of them
     (the global batch splits, world_invariant's shards split, the layout fits), else the job
@@ -943,6 +963,8 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
         resolve_strategy(cfg, plan.world_size)
     elif cfg is not None and plan.worlds and job is None:
         check_elastic_worlds(cfg, plan.worlds, plan.rendezvous)
+    if cfg is not None and not dry_run:
+        check_run_folder(cfg)  # every node, before torchrun: not ~30 s later in every rank
     if "--rdzv-backend=etcd-v2" in plan.argv and not _importable("etcd"):
         raise UsageError(
             "RDZV_BACKEND=etcd: torchrun's etcd rendezvous needs the python-etcd package, "
