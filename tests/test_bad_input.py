@@ -398,6 +398,8 @@ LAUNCH = [
     ({}, ["dist.strategy=fsdp", "model.sync_bn=true"], "model.sync_bn"),
     ({}, ["data.global_batch_size=3"], "data.global_batch_size"),
     ({}, ["optim.lr=nan"], "optim.lr"),
+    ({}, ["model.name=gpt", "data.name=text", "model.gpt.layers=3", "dist.mesh=pp=2"], "layers=3"),
+    ({}, ["model.name=mlp", "dist.mesh=tp=2", "dist.strategy=none"], "tensor-parallel plan"),
     ({}, [".lr=1"], ".lr"),
     ({"NPROC_PER_NODE": "abc"}, [], "NPROC_PER_NODE"),
     ({"NPROC_PER_NODE": "-2"}, [], "NPROC_PER_NODE"),

@@ -478,10 +478,25 @@ def _cmd_config(args) -> int:
         print(config.to_yaml(cfg), end="")
     else:
         world_size = 1 if args.world_size is None else args.world_size
+        from trainer import tracking  # no torch: the checks `train` makes first
+
+        tracking.check(cfg, os.environ)
         config.check_world_size(cfg, world_size)
         config.resolve_strategy(cfg, world_size)
-        print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name})")
+        later = _check_layout(cfg, world_size)
+        print(f"config ok: {cfg.name} (data {cfg.data.name}, model {cfg.model.name}){later}")
     return ExitCode.OK
+
+
+def _check_layout(cfg, world_size: int) -> str:
+    """`config check`'s layout checks (dist.mesh against the model, as every rank makes them
+    before any work, without building it): '' or, for a plug-in model whose split points and
+    plan are checked when it is built, '; <that note>' for the ok line."""
+    from trainer.config import layout_of
+    from trainer.parallel.layout import check_model
+
+    note = check_model(cfg, layout_of(cfg, world_size))
+    return f"; {note}" if note else ""
 
 
 def _cmd_plan(args) -> int:

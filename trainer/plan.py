@@ -232,8 +232,10 @@ def _traced(cfg: Config, dims: ParallelDims, spec, task, batch, checkpointed: bo
         last, first = s == len(pieces) - 1, s == 0
         held = {}
 
-        def step(m, x=x, last=last, first=first, held=held):
-            y = forward(task, m, batch) if first else m(x)
+        def step(m, x=x, last=last, first=first, held=held, s=s):
+            split_at = split.stage_forward(m, s, len(pieces)) if len(pieces) > 1 else None
+            with split_at or contextlib.nullcontext():
+                y = forward(task, m, batch) if first else m(x)
             held["y"] = y
             return task.loss(y, batch) if last else y.float().sum()
 

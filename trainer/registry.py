@@ -5,13 +5,15 @@ and built-ins go through the same code. This module imports nothing heavy, so co
 validation and `trainer --help` stay fast.
 """
 
+import contextlib
 import importlib
 import inspect
 import os
+import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
-from trainer.errors import UsageError, check_choice, first_line
+from trainer.errors import TrainerError, UsageError, check_choice, first_line, shorten
 
 DATASETS: dict[str, str] = {
     "digits": "trainer.datasets.tabular:digits",
@@ -147,3 +149,33 @@ def _where(e: BaseException, top: str | None = None) -> str:
         frames = own or frames
     at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
     return f"{type(e).__name__}: {first_line(e)}{at}"
+
+
+@contextlib.contextmanager
+def plugin_bug(what: str) -> Iterator[None]:
+    """Around a call into a plug-in's own code (`what` names it: 'Net.tensor_parallel_plan(2),
+    the model's tensor-parallel plan'): an exception of its own (a bug: anything but a
+    TrainerError, which is already one line) keeps its traceback, exit 1, as docs/extending.md
+    says, with one line of ours first naming the plug-in and where it raised, so a long
+    traceback out of torch still says whose code it was."""
+    try:
+        yield
+    except TrainerError:
+        raise
+    except Exception as e:
+        print(
+            f"trainer: error: {what} raised {_raised_in(e)}: a bug in the plug-in, whose "
+            "traceback follows",
+            file=sys.stderr,
+            flush=True,
+        )
+        raise
+
+
+def _raised_in(e: BaseException) -> str:
+    """'ValueError: boom (mypkg/model.py:12)': the deepest frame outside trainer and torch."""
+    packages = [sys.modules.get(name) for name in (__package__ or "trainer", "torch")]
+    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if m and m.__file__)
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(ours)]
+    at = f" ({frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+    return f"{type(e).__name__}: {shorten(first_line(e), 200)}{at}"

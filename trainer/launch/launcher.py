@@ -474,9 +474,20 @@ def _world_error(cfg, world: int):
     try:
         check_world_size(cfg, world)
         resolve_strategy(cfg, world)
+        _check_layout(cfg, world)
     except ConfigError as e:
         return e
     return None
+
+
+def _check_layout(cfg, world: int) -> None:
+    """dist.mesh against the model on `world` ranks, as every rank checks it before any work
+    (parallel.layout.check_model: a built-in model without split points or plan, pp's stages
+    against the GPT's blocks); a plug-in model is checked when its ranks build it."""
+    from trainer.config import layout_of
+    from trainer.parallel.layout import check_model
+
+    check_model(cfg, layout_of(cfg, world))
 
 
 def _importable(module: str) -> bool:
@@ -961,6 +972,7 @@ def _launch_with(args: list[str], dry_run: bool, signals: Forwarder) -> int:
 
         check_world_size(cfg, plan.world_size)  # exit 2 here, not one failed rank per process
         resolve_strategy(cfg, plan.world_size)
+        _check_layout(cfg, plan.world_size)
     elif cfg is not None and plan.worlds and job is None:
         check_elastic_worlds(cfg, plan.worlds, plan.rendezvous)
     if cfg is not None and not dry_run:

@@ -44,16 +44,20 @@ def parallelize(
     state = model.state_dict()  # before any split: the whole model's keys, shapes and dtypes
     layout = {"shapes": {k: tuple(v.shape) for k, v in state.items()}}
     layout["dtypes"] = {k: v.dtype for k, v in state.items()}
+    plan = None
+    if mesh.layout.tp > 1:  # checked on the whole model, before a pipeline split: every rank
+        plan, layout["tp_modules"] = tensor.checked_plan(model, mesh.layout.tp)
     if mesh.layout.pp > 1:
-        return _pipelined(model, mesh, world, (cfg.compile, later), layout)
-    return replace(whole(model, _part(model, mesh, world, cfg.compile, later)), **layout)
+        return _pipelined(model, mesh, world, (cfg.compile, later, plan), layout)
+    return replace(whole(model, _part(model, mesh, world, (cfg.compile, later, plan))), **layout)
 
 
-def _part(module: nn.Module, mesh: Mesh, world: World, compile: bool, later, ignored=()):
+def _part(module: nn.Module, mesh: Mesh, world: World, how: tuple, ignored=()):
     """One part (the model, or a stage): tp plan -> FSDP -> its storage (deferred) -> DDP or
-    nn.DataParallel -> compile."""
+    nn.DataParallel -> compile. `how`: (compile, the Deferred or None, the checked tp plan)."""
+    compile, later, plan = how
     if mesh.layout.tp > 1:
-        tensor.parallelize(module, mesh)
+        tensor.parallelize(module, mesh, plan)
     dp_mesh = mesh.sub("dp")
     module = strategy.shard(module, mesh.dims, world, dp_mesh, ignored)
     if later is not None:
@@ -65,7 +69,7 @@ def _part(module: nn.Module, mesh: Mesh, world: World, compile: bool, later, ign
 def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, layout) -> ModelParts:
     """This rank's stages of `model`, each laid out on its own; the view holds their parts
     under the whole model's names (the stage itself, or under interleaved 1F1B both)."""
-    dims, (compile, later) = mesh.dims, how
+    dims = mesh.dims
     split = splits.plan(model, dims.stages)
     local = tuple(mesh.pp_rank + k * dims.layout.pp for k in range(dims.stages_per_rank))
     tied = tuple(splits.tied_weights(model, split))
@@ -74,7 +78,7 @@ def _pipelined(model: nn.Module, mesh: Mesh, world: World, how: tuple, layout) -
     pieces = {s: splits.piece(model, split, [s]) for s in local}
     view = pieces[local[0]] if len(local) == 1 else splits.piece(model, split, list(local))
     names = tuple(n for n, _ in model.named_parameters())
-    modules = {s: _part(pieces[s], mesh, world, compile, later, ignored) for s in local}
+    modules = {s: _part(pieces[s], mesh, world, how, ignored) for s in local}
     pipe = Pipe(split, mesh, local, MappingProxyType(modules), tied)
     return ModelParts(
         modules=tuple(modules[s] for s in local), view=view, names=names, pipe=pipe, **layout
@@ -97,8 +101,11 @@ def _layout_line(parts: ModelParts, mesh: Mesh, world: World) -> str | None:
             f"{', '.join(map(str, p.local))}"
         )
     if mesh.layout.tp > 1:
-        tp = mesh.layout.tp
-        return f"tensor parallel: each layer split over {tp} ranks, mesh {mesh.describe()}"
+        tp, n = mesh.layout.tp, parts.tp_modules
+        return (
+            f"tensor parallel: each layer split over {tp} ranks ({n} module(s) of the model's "
+            f"plan), mesh {mesh.describe()}"
+        )
     return strategy.note(mesh.dims, world)
 
 

@@ -77,11 +77,15 @@ class ParallelDims:
 def describe(cfg: Config, world_size: int, on_cuda: bool | None = None) -> ParallelDims:
     """The run's ParallelDims from its config on `world_size` ranks (dist.strategy auto: ddp on
     several data-parallel ranks, fsdp for the dp dimension of a tp mesh). A combination that
-    cannot run is one ConfigError, the same on every rank."""
+    cannot run is one ConfigError, the same on every rank: the layout's demands on the model
+    too, where they are known without building it (layout.check_model), before any process
+    group."""
     from trainer.config import layout_of, resolve_strategy
+    from trainer.parallel.layout import check_model
 
     dp = resolve_strategy(cfg, world_size, on_cuda=on_cuda)
     layout = layout_of(cfg, world_size)
+    check_model(cfg, layout)
     if dp == "ddp" and layout.dp == 1 and not cfg.repro.world_invariant:
         dp = "none"  # one replica: nothing to all-reduce
     return ParallelDims(

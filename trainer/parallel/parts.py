@@ -63,6 +63,8 @@ class ModelParts:
     """The whole model's state_dict keys -> dtypes (with `shapes`: a whole file's layout)."""
     pipe: Pipe | None = None
     """pp only: the split and this rank's stages."""
+    tp_modules: int = 0
+    """tp only: how many of the whole model's modules its tensor-parallel plan splits."""
 
     @property
     def aliases(self) -> dict[str, str]:

@@ -12,12 +12,15 @@ module object shares between stages (the GPT's embedding and head) is `Tied`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
 
-from trainer.errors import ConfigError, UsageError
+from trainer import registry
+from trainer.errors import ConfigError, UsageError, did_you_mean, first_line, shorten
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,7 @@ def plan(model: nn.Module, n_stages: int) -> Split:
             f"{len(keys)} (pp x stages per rank), or change the layer count"
         )
     if direct := [n for n, _ in model.named_parameters(recurse=False)]:
-        raise UsageError(
+        raise ConfigError(
             f"{type(model).__name__} holds parameters on its root ({', '.join(direct[:3])}), "
             "which no pipeline stage owns: move them into a submodule registered before or "
             f"after {name}"
@@ -76,14 +79,48 @@ def plan(model: nn.Module, n_stages: int) -> Split:
 
 
 def _container_name(model: nn.Module) -> str:
+    """The name `pipeline_layers()` gives: a child of the model that is a non-empty ModuleList
+    or ModuleDict. Anything else breaks the contract (docs/extending.md, 'Pipeline stages'): one
+    line naming the method and what it returned; its own exception keeps its traceback, after a
+    line naming it."""
+    who = type(model).__name__
     own = getattr(model, "pipeline_layers", None)
-    name = own() if callable(own) else None
-    if name is None or not isinstance(getattr(model, name, None), (nn.ModuleList, nn.ModuleDict)):
-        raise UsageError(
-            f"dist.mesh with pp needs the model's split points, but {type(model).__name__} "
-            "names none: give it a pipeline_layers() method returning the name of its "
-            "ModuleList of layers, whose forward skips submodules set to None "
-            "(docs/extending.md, 'Pipeline stages'), or use model.name=gpt"
+    if not callable(own):
+        raise ConfigError(
+            f"dist.mesh with pp needs the model's split points, but {who} names none: give it a "
+            "pipeline_layers() method returning the name of its ModuleList of layers, whose "
+            "forward skips submodules set to None (docs/extending.md, 'Pipeline stages'), or use "
+            "model.name=gpt"
+        )
+    with registry.plugin_bug(f"{who}.pipeline_layers(), the model's pipeline split points,"):
+        name = own()
+    fix = "return the name of its ModuleList of layers (docs/extending.md, 'Pipeline stages')"
+    if not isinstance(name, str):
+        got = type(name).__name__
+        what = f"the {got} itself, not its name" if isinstance(name, nn.Module) else got
+        raise ConfigError(f"{who}.pipeline_layers() returned {what}: {fix}, e.g. 'layers'")
+    children = dict(model.named_children())
+    found = children.get(name)
+    if found is None:
+        there = getattr(model, name, None) if name.isidentifier() else None
+        why = (
+            f"a {type(there).__name__} attribute, not a registered submodule (keep the layers in "
+            "an nn.ModuleList)"
+            if there is not None
+            else f"not a submodule of {who}{did_you_mean(name, children)} (its children: "
+            f"{', '.join(list(children)[:12]) or 'none'})"
+        )
+        raise ConfigError(f"{who}.pipeline_layers() returned {shorten(name)!r}, {why}: {fix}")
+    if not isinstance(found, (nn.ModuleList, nn.ModuleDict)):
+        raise ConfigError(
+            f"{who}.pipeline_layers() names {name!r}, a {type(found).__name__}, not an "
+            "nn.ModuleList or nn.ModuleDict of layers: hold the layers in one (the model's "
+            "forward runs them in turn, skipping None)"
+        )
+    if not len(found):
+        raise ConfigError(
+            f"{who}.pipeline_layers() names {name!r}, an empty {type(found).__name__}: a "
+            "pipeline needs layers to split, at least one per stage"
         )
     return name
 
@@ -107,6 +144,24 @@ def piece(model: nn.Module, split: Split, stages: list[int]) -> nn.Module:
     kept = [k for s in stages for k in split.stages[s]]
     out._modules[split.container] = nn.ModuleDict({k: layers[k] for k in kept})
     return out
+
+
+@contextlib.contextmanager
+def stage_forward(model: nn.Module, stage: int, n: int) -> Iterator[None]:
+    """Around a pipeline stage's forward: a model whose forward calls a submodule its stage does
+    not hold (None: the contract says to skip those) is one line naming the stage and the fix,
+    not a TypeError out of the first step."""
+    try:
+        yield
+    except (TypeError, AttributeError) as e:
+        if "'NoneType' object" not in str(e):
+            raise
+        raise UsageError(
+            f"{type(model).__name__}'s forward uses a submodule that pipeline stage {stage} of "
+            f"{n} does not hold ({shorten(first_line(e), 120)}): a stage holds its layers and "
+            "sets the others to None, so the forward must skip None submodules, as "
+            "docs/extending.md ('Pipeline stages') shows"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from torch import nn
 from trainer import ranks
 from trainer.errors import UsageError
 from trainer.parallel.parts import Pipe
+from trainer.parallel.split import stage_forward
 from trainer.strategy import unwrap
 
 
@@ -55,7 +56,8 @@ def run_through(pipe: Pipe, inputs: tuple | None, device: str, seen: dict | None
             continue
         if s > 0 and pipe.owner(s - 1) != pipe.mesh.rank:
             x = (ranks.recv_tensor(pipe.owner(s - 1), device),)
-        y = unwrap(pipe.modules[s])(*x)
+        with stage_forward(unwrap(pipe.modules[s]), s, pipe.split.n):
+            y = unwrap(pipe.modules[s])(*x)
         if seen is not None:
             seen[s] = (x, y)
         if s == pipe.split.n - 1:

@@ -32,6 +32,9 @@ def fused_colwise(parts: int):
     colwise, _ = styles()
 
     class FusedColwiseParallel(colwise):
+        fused = parts
+        """The outputs side by side: tp must divide each (tensor.checked_plan checks)."""
+
         def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
             module = super()._apply(module, device_mesh)
             cut = [_StridedShard(0, split_factor=parts)]
