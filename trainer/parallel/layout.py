@@ -136,7 +136,7 @@ def _check_gpt_stages(cfg, layout: Layout) -> None:
     if not isinstance(blocks, int) or blocks % stages == 0:
         return
     fits = [str(p) for p in range(2, blocks // per + 1) if blocks % (p * per) == 0]
-    use = f"use pp in {', '.join(fits)}" if fits else "drop pp"
+    use = f"use pp={' or pp='.join(fits)}" if fits else "drop pp"
     if per > 1:
         use += " (or dist.pp_schedule=1f1b, one stage per rank)"
     interleaved = (
