@@ -15,11 +15,11 @@ LAYERS = [
     "trainer checkpoint datasets errors batch sampler results signals noise startup metrics "
     "launch.netif datasets.augment diagnostics.collectives diagnostics.stragglers config.ranges "
     "checkpoint.writer checkpoint.digest tracking.sender",
-    "tracking.mlflow_rest parallel parallel.layout parallel.styles parallel.split storage "
-    "checkpoint.files",
+    "tracking.mlflow_rest parallel parallel.styles storage checkpoint.files",
     "tracking.wandb_sink",
     "exitstatus envvars registry gpt perf invariant rundir report runlock orphans hf params "
     "deferred",
+    "parallel.layout parallel.split",  # the layout's checks name the built-in models (registry)
     "config.schema diagnostics.stall launch.threads launch.nodeenv launch.slurm",
     "launch.oom",
     "config.rules config.load config.explain diagnostics.nccl",

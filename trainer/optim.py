@@ -39,8 +39,14 @@ def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
 def _plugin(cfg: OptimConfig, params) -> torch.optim.Optimizer:
     """optim.name=package.module:factory, called as factory(params, <the optim.* keys its
     signature names: lr, weight_decay, betas, momentum, nesterov>, **optim.kwargs); it returns a
-    torch.optim.Optimizer, whose state_dict the checkpoints save and a resume loads."""
+    torch.optim.Optimizer over exactly the parameters it was given, each group with its lr (the
+    schedule sets it), whose state_dict the checkpoints save and a resume loads.
+
+    A broken contract (the wrong thing returned, parameters left out or added) is one line
+    naming the plug-in; a TrainerError it raises is its own line; anything else it raises is a
+    bug in it and keeps its traceback, after one line naming the plug-in."""
     fn = registry.factory("optim.name", cfg.name)
+    params = list(params)
     offered = {
         "params": params,
         "lr": cfg.lr,
@@ -49,13 +55,59 @@ def _plugin(cfg: OptimConfig, params) -> torch.optim.Optimizer:
         "momentum": cfg.momentum,
         "nesterov": cfg.nesterov,
     }
-    optimizer = registry.call_with("optim.name", cfg.name, fn, offered, dict(cfg.kwargs))
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise UsageError(
-            f"optim.name: '{cfg.name}' returned a {type(optimizer).__name__}, not a "
-            "torch.optim.Optimizer: return one (its state_dict is what checkpoints save)"
-        )
+    with registry.plugin_bug(f"optim.name={cfg.name}, the optimizer plug-in"):
+        optimizer = registry.call_with("optim.name", cfg.name, fn, offered, dict(cfg.kwargs))
+    _check_plugin(cfg.name, optimizer, params)
     return optimizer
+
+
+def _check_plugin(name: str, optimizer, params: list) -> None:
+    """What an optimizer plug-in must return (see _plugin), or one line naming what it broke."""
+    head = f"optim.name: '{name}' returned"
+    if isinstance(optimizer, type):
+        raise UsageError(
+            f"{head} the class {optimizer.__name__}, not an optimizer: return an instance built "
+            f"over the parameters it is given (e.g. return {optimizer.__name__}(params, lr=lr))"
+        )
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        what = (
+            "None (is a `return` missing?)"
+            if optimizer is None
+            else f"a {type(optimizer).__name__}"
+        )
+        raise UsageError(
+            f"{head} {what}, not a torch.optim.Optimizer: return one (its state_dict is what "
+            "checkpoints save)"
+        )
+    given = {id(p) for p in _tensors(params)}
+    held = [p for g in optimizer.param_groups for p in g.get("params", ())]
+    missing = len(given - {id(p) for p in held})
+    foreign = len([p for p in held if id(p) not in given])
+    if missing or foreign:
+        what = (
+            f"leaves out {missing} of the {len(given)} parameters it was given"
+            if missing
+            else f"holds {foreign} tensor(s) it was not given"
+        )
+        raise UsageError(
+            f"{head} an optimizer that {what}: build it over `params` (the parameter groups "
+            "the trainer passes: what trains, in optim.groups' groups)"
+        )
+    for i, group in enumerate(optimizer.param_groups):
+        lr = group.get("lr")
+        if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)):
+            raise UsageError(
+                f"{head} an optimizer whose group {i} has no numeric 'lr' ({lr!r}): the "
+                "schedule sets each group's lr: give the optimizer an lr default"
+            )
+
+
+def _tensors(params: list) -> list:
+    """The parameters of a list of parameters or of parameter-group dicts."""
+    out = []
+    for p in params:
+        out += list(p["params"]) if isinstance(p, dict) else [p]
+    return out
 
 
 @dataclass(frozen=True)

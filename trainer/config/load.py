@@ -8,6 +8,7 @@ import copy
 import functools
 import os
 import re
+import typing
 from importlib import resources
 
 from trainer.config.schema import DEFAULT_PRESET, Config, example, range_hint
@@ -222,6 +223,8 @@ def _yaml_fix_more(problem: str, context: str, start: str) -> str:
     """The fix for the rarer YAML problems (the parser's text alone for the rest)."""
     if problem == "but found another document":
         return "remove that '---': a config is one YAML document"
+    if "scanning an alias" in context or "scanning an anchor" in context:
+        return "quote a value that starts with '*' or '&' (YAML's alias and anchor), e.g. '*.bias'"
     if problem == "found undefined alias":
         return "define the anchor (&name) before its alias (*name), or quote a value starting '*'"
     if problem == "second occurrence":
@@ -467,6 +470,13 @@ def _cli_layer(overrides: list[str]):
             items.append(OmegaConf.from_dotlist([item]))
         except Exception as e:
             raise _override_error(e, item) from None
+        key, _, value = item.partition("=")
+        if value.lstrip().startswith("&") and _text_key(key):
+            if OmegaConf.select(items[-1], key) is not None:
+                continue
+            # `&x` alone: an anchor on nothing, null (a pattern or name starting with '&')
+            fix = _alias_fix(None, key, value)
+            raise UsageError(f"command line: {shorten(key)}: '{shorten(value)}' is null: {fix}")
     return [(f"command line: {item}", layer) for item, layer in zip(overrides, items, strict=True)]
 
 
@@ -487,6 +497,8 @@ def _override_error(e: BaseException, item: str) -> UsageError:
             f"{head}: a YAML alias (*name) refers to the list or mapping it is in, which never "
             "ends: write the values out"
         )
+    if quoted := _alias_fix(e, key, value):
+        return UsageError(f"{head}: cannot parse '{_escaped(shorten(value))}': {quoted}")
     located = _yaml_error(e, value)
     if located is None:
         return UsageError(
@@ -498,6 +510,29 @@ def _override_error(e: BaseException, item: str) -> UsageError:
     return UsageError(
         f"{head}: cannot parse '{_escaped(shorten(value))}' at {where}: {what}"
         + ("; the shell splits an override at a space unless it is quoted" if split else "")
+    )
+
+
+def _text_key(key: str) -> bool:
+    """Whether `key` is a text field of the schema (str, or str | None)."""
+    t = {f.key: f.type for f in schema_fields()}.get(key)
+    return t is str or str in typing.get_args(t)
+
+
+def _alias_fix(e: BaseException, key: str, value: str) -> str | None:
+    """The fix for a value YAML took for an alias (`*.bias`, a glob) or an anchor (`&x`): quote
+    it, YAML's quotes inside the shell's."""
+    context, problem = getattr(e, "context", None) or "", getattr(e, "problem", None) or ""
+    if "scanning an alias" in context or problem == "found undefined alias":
+        what = "'*' as an alias (*name)"
+    elif "scanning an anchor" in context or e is None:
+        what = "'&' as an anchor (&name)"
+    else:
+        return None
+    sample = shorten(value.strip().strip("[]") or "*.bias", 40).replace("'", "")
+    return (
+        f"YAML reads a leading {what}: quote the value, YAML's quotes inside the shell's, "
+        f"e.g. \"{shorten(key, 40)}='{sample}'\""
     )
 
 
@@ -572,12 +607,64 @@ def _merge_error(e: Exception, schema, source: str, layer=None) -> UsageError:
     if "Merge error" in message or "is not a subclass" in message:
         message = f"is a section of keys, not a value: set its keys, e.g. {_section_example(key)}"
         return UsageError(f"{source}: {shorten(key)}: {message}")
+    if shape := _shape_problem(key, message, layer):
+        return UsageError(f"{source}: {shorten(key)}: {shape}")
     hint = range_hint(key)
     if "valid bool" in message:
         hint = f" (set true or false, e.g. {example(key)})"
     if not hint and "None" in message:
         hint = f" (give it a value, e.g. {example(key)})" if key in _leaf_keys() else ""
     return UsageError(f"{source}: {shorten(key)}: {message}{hint}")
+
+
+_MAPPINGS = {
+    "ckpt.init_rename": "a mapping {REGEX: REPLACEMENT}",
+    "optim.groups": "named groups, optim.groups.NAME={params: [GLOB, ...], lr_mult: N}",
+}
+_GLOBS = ("optim.freeze", "optim.lora_targets", "optim.lora_also_train", "ckpt.init_exclude")
+"""The keys of comma-separated glob patterns (one string)."""
+
+
+def _shape_problem(key: str, message: str, layer) -> str | None:
+    """What is wrong, and the fix, where a value has the wrong shape for its key: a mapping's
+    key given text, a number or a list (OmegaConf: "Cannot assign/merge ..."), a text key given
+    a list or mapping ("Cannot convert ..."), or null where a key takes none."""
+    types = {f.key: f.type for f in schema_fields()}
+    parent = key.rpartition(".")[0]
+    if typing.get_origin(types.get(key)) is dict and (
+        "Cannot assign" in message or "incompatible container" in message
+    ):
+        what = _MAPPINGS.get(key, "a mapping of keys")
+        return f"takes {what}, not {_given(layer, key)}: write e.g. {example(key)}"
+    if typing.get_origin(types.get(parent)) is dict and "is not Optional" in message:
+        what = "a replacement string" if parent == "ckpt.init_rename" else "a value"
+        return f"needs {what}, not null: e.g. {example(parent)}"
+    if types.get(key) is str and "Cannot convert" in message:
+        given = "a list" if "ListConfig" in message else "a mapping"
+        what = "comma-separated glob patterns in one string" if key in _GLOBS else "text"
+        return f"takes {what}, not {given}: e.g. {example(key)}"
+    if types.get(key) is str and "None" in message:
+        fix = f", or leave {key} out (none)" if key in _GLOBS else ""
+        return (
+            f"an empty value reads as null, which it does not take: give it a value, e.g. "
+            f"{example(key)}{fix}"
+        )
+    return None
+
+
+def _given(layer, key: str) -> str:
+    """The value `layer` sets `key` to, for a message ('text 'abc'', 'the number 5', 'a list')."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    node = OmegaConf.select(layer, key, default=None) if layer is not None else None
+    if isinstance(node, ListConfig):
+        return "a list"
+    if isinstance(node, DictConfig) or node is None:
+        return "that value"
+    if isinstance(node, str):
+        return f"the text '{shorten(node)}'"
+    kind = "boolean" if isinstance(node, bool) else "number"
+    return f"the {kind} {shorten(repr(node))}"
 
 
 def _section_example(key: str) -> str:

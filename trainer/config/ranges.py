@@ -127,6 +127,23 @@ checked against what every Linux file system refuses, so `config check` says wha
 BUCKET_PATHS = frozenset({"ckpt.dir", "ckpt.resume", "ckpt.init_weights", "data.shards.path"})
 """The PATHS that may also be an s3:// URL (storage.py); a URL in any other is refused."""
 
+SAMPLES = {
+    "optim.freeze": "optim.freeze='tok.*,blocks.0.*'",
+    "optim.lora_targets": "optim.lora_targets='blocks.*.attn.qkv'",
+    "optim.lora_also_train": "optim.lora_also_train='fc3.*'",
+    "ckpt.init_exclude": "ckpt.init_exclude='fc.*'",
+    "ckpt.init_rename": "ckpt.init_rename='{^encoder\\.: backbone.}'",
+    "optim.groups": "optim.groups.head='{params: [fc.*], lr_mult: 10}'",
+    "optim.kwargs": "optim.kwargs.scale=0.5",
+    "model.kwargs": "model.kwargs.depth=2",
+    "data.kwargs": "data.kwargs.min_length=3",
+    "task.kwargs": "task.kwargs.smoothing=0.1",
+    "log.mlflow.tags": "log.mlflow.tags.team=vision",
+    "log.wandb.tags": "log.wandb.tags.team=vision",
+}
+"""key=value to show in an error for the keys whose default shows nothing to copy (an empty
+string or mapping): a value each takes, as typed in a shell."""
+
 NAME_MAX = 255
 """Bytes in one file or folder name (ext4, xfs, overlayfs, NFS)."""
 PATH_MAX = 4095

@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 import typing
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainer import storage
-from trainer.config.ranges import BUCKET_PATHS, NONEMPTY, PATHS, RANGES, path_problem
-from trainer.errors import ConfigError, UsageError, check_choice, shorten
-from trainer.parallel.layout import SCHEDULES
+from trainer.config.ranges import (
+    BUCKET_PATHS,
+    NONEMPTY,
+    PATHS,
+    RANGES,
+    SAMPLES,
+    path_problem,
+)
+from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean, shorten
+from trainer.parallel.layout import DIMS, SCHEDULES
 
 DEFAULT_PRESET = "digits-mlp"
 
@@ -306,24 +315,92 @@ class OptimConfig:
         check_choice("optim.decay", self.decay, ("all", "no_bias_norm"))
         check_fields(self, "optim.")
         for name, group in self.groups.items():
-            _check_group(name, group)
+            _check_group(name, group, self.lr)
         if len(self.betas) != 2:
             raise UsageError(
                 f"optim.betas: needs two values like [0.9,0.999], got {_number_text(self.betas)}"
             )
 
 
-def _check_group(name: str, group: Any) -> None:
-    """optim.groups.NAME: a mapping of params (globs), lr_mult and weight_decay only."""
+GROUP_KEYS = ("params", "lr_mult", "weight_decay")
+"""What an optim.groups entry may set."""
+
+
+def _check_group(name: str, group: Any, lr: float) -> None:
+    """optim.groups.NAME: a mapping of params (glob patterns: a comma-separated string or a list
+    of strings), lr_mult (optim.lr x lr_mult within optim.lr's range) and weight_decay (within
+    optim.weight_decay's), each a finite number."""
     key = f"optim.groups.{name}"
-    if not isinstance(group, dict) or not group.get("params"):
-        raise UsageError(f"{key}: needs params, e.g. {key}={{params: [head.*], lr_mult: 10}}")
-    if other := sorted(set(group) - {"params", "lr_mult", "weight_decay"}):
-        raise UsageError(f"{key}.{other[0]}: unknown; a group has params, lr_mult, weight_decay")
-    for k in ("lr_mult", "weight_decay"):
-        v = group.get(k, 0.0)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            raise UsageError(f"{key}.{k}: needs a number >= 0, got {v!r}")
+    form = f"{key}='{{params: [fc.*], lr_mult: 10}}'"
+    if not isinstance(group, dict):
+        raise UsageError(
+            f"{key}: a group is a mapping of params (glob patterns), lr_mult and weight_decay, "
+            f"not {_kind(group)}: write e.g. {form}"
+        )
+    if other := sorted(set(group) - set(GROUP_KEYS), key=str):
+        raise UsageError(
+            f"{key}.{shorten(str(other[0]))}: unknown; a group has {', '.join(GROUP_KEYS)} "
+            f"(e.g. {form})"
+        )
+    _check_group_params(key, group.get("params"), form)
+    if "lr_mult" in group:
+        mult = _finite(f"{key}.lr_mult", group["lr_mult"], f"{key}.lr_mult=10")
+        if mult <= 0 or lr * mult not in RANGES["optim.lr"]:
+            zero = " (0 trains nothing: freeze them with optim.freeze)" if mult == 0 else ""
+            raise UsageError(
+                f"{key}.lr_mult: optim.lr x lr_mult must be {RANGES['optim.lr']} (optim.lr="
+                f"{lr:g}), got lr_mult={_number_text(group['lr_mult'])}{zero}; e.g. "
+                f"{key}.lr_mult=10"
+            )
+    if "weight_decay" in group:
+        wd = _finite(f"{key}.weight_decay", group["weight_decay"], f"{key}.weight_decay=0.0")
+        if wd not in RANGES["optim.weight_decay"]:
+            raise UsageError(
+                f"{key}.weight_decay: must be {RANGES['optim.weight_decay']} (as "
+                f"optim.weight_decay), got {_number_text(group['weight_decay'])}; e.g. "
+                f"{key}.weight_decay=0.0"
+            )
+
+
+def _check_group_params(key: str, params: Any, form: str) -> None:
+    """A group's params: a non-empty comma-separated string of glob patterns, or a list of them."""
+    items = params if isinstance(params, list) else [params]
+    if params is None or params == [] or params == "":
+        raise UsageError(f"{key}: needs params, the glob patterns of its parameters, e.g. {form}")
+    for item in items:
+        if not isinstance(item, str):
+            raise UsageError(
+                f"{key}.params: glob patterns are text ('fc.*,head.*' or [fc.*, head.*]), got "
+                f"{_kind(item)} {shorten(repr(item))}: quote it, e.g. {form}"
+            )
+        if not item.replace(",", "").strip():
+            raise UsageError(
+                f"{key}.params: {shorten(repr(item))} holds no pattern: name its parameters, "
+                f"e.g. {form}"
+            )
+
+
+def _kind(value: Any) -> str:
+    """'a list', 'an int', 'null': what a value is, for a message."""
+    if value is None:
+        return "null"
+    name = {dict: "mapping", list: "list", str: "string", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _finite(key: str, value: Any, sample: str) -> float:
+    """`value` as a finite float, or one line naming `key` and a value it takes."""
+    try:
+        number = float(value) if not isinstance(value, (bool, str)) else math.nan
+    except (TypeError, ValueError, OverflowError):
+        number = math.nan
+    if not math.isfinite(number):
+        raise UsageError(
+            f"{key}: needs a finite number, got {shorten(_number_text(value))}; e.g. {sample}"
+        )
+    return number
 
 
 @dataclass(kw_only=True)
@@ -404,10 +481,11 @@ class DistConfig:
     (docs/troubleshooting.md, "When a job hangs"). null: 30x the slowest log window's mean step,
     at least 60 s; always below dist.timeout_s. 0: off. Evaluation and saves are not counted."""
     mesh: str | None = None
-    """The device mesh, named sizes like dp=2,pp=2 or dp=2,tp=2 (dimensions dp, pp, tp; their
-    product is the world size; dp left out takes what remains). pp splits the model's layers
-    into pipeline stages, tp splits each layer's matrices; dist.strategy applies to dp. null:
-    data parallel only (docs/training.md, "Model parallel")."""
+    """The device mesh, named sizes like dp=2,pp=2 or dp=2,tp=2 (dimensions dp, pp, tp, each
+    at most once, each size a positive integer in digits 0-9; their product is the world size;
+    dp left out takes what remains). pp splits the model's layers into pipeline stages, tp
+    splits each layer's matrices; dist.strategy applies to dp. null: data parallel only
+    (docs/training.md, "Model parallel")."""
     pp_schedule: str = "1f1b"
     """gpipe | 1f1b | interleaved-1f1b (two stages per rank): the pipeline schedule under pp;
     train.micro_batch_size is the pipeline's micro-batch (default: one per stage)."""
@@ -418,12 +496,59 @@ class DistConfig:
         check_choice("dist.device", self.device, ("auto", "cpu", "cuda"))
         check_choice("dist.pp_schedule", self.pp_schedule, SCHEDULES)
         check_fields(self, "dist.")
+        check_mesh(self.mesh)
         if self.stall_s and self.stall_s >= self.timeout_s:
             raise UsageError(
                 f"dist.stall_s={self.stall_s:g} must be below dist.timeout_s={self.timeout_s}: a "
                 "stall is named before a collective's timeout ends the job (lower dist.stall_s, "
                 "or raise dist.timeout_s)"
             )
+
+
+MAX_MESH_SIZE = 2**20
+"""The largest size of a dist.mesh dimension (more ranks than any job launches)."""
+
+
+def check_mesh(text: str | None) -> None:
+    """dist.mesh's grammar, whatever the world size: NAME=SIZE items separated by commas, each
+    NAME one of dp, pp, tp at most once, each SIZE a positive integer in ASCII digits (int()
+    takes '²' and '٣' for digits, and refuses a number of over 4,300). null or blank: data
+    parallel only. The sizes against the world: rules.layout, when the world is known."""
+    if text is None or not text.strip():
+        return
+    seen: set[str] = set()
+    for part in text.replace(" ", "").split(","):
+        name, eq, size = part.partition("=")
+        problem = _mesh_problem(name, eq, size, seen)
+        if problem:
+            raise UsageError(
+                f"dist.mesh={shorten(text)!r}: {problem}: write sizes like dist.mesh=dp=2,pp=2 "
+                "(dimensions dp, pp, tp, each at most once; each size a positive integer)"
+            )
+        seen.add(name)
+
+
+def _mesh_problem(name: str, eq: str, size: str, seen: set[str]) -> str | None:
+    """What is wrong with one NAME=SIZE item of dist.mesh, or None."""
+    if not name and not eq:
+        return "an empty item (two commas, or one at an end)"
+    if not eq:
+        return f"{shorten(name, 30)!r} has no '=SIZE'"
+    if name not in DIMS:
+        if not name:
+            return f"'={shorten(size, 20)}' names no dimension"
+        return f"{shorten(name, 30)!r} is not a dimension{did_you_mean(name, DIMS)}"
+    if name in seen:
+        return f"{name} is given twice"
+    if not size:
+        return f"{name} has no size"
+    if not (size.isascii() and size.isdigit()):
+        return f"{name}'s size {shorten(size, 20)!r} is not a whole number in digits 0-9"
+    if len(size) > 7 or int(size) > MAX_MESH_SIZE:
+        return f"{name}={shorten(size, 20)} is over {MAX_MESH_SIZE:,}, more ranks than any job has"
+    if int(size) < 1:
+        return f"{name}={size}: a size is at least 1 (1, or {name} left out: not split)"
+    return None
 
 
 @dataclass(kw_only=True)
@@ -466,6 +591,66 @@ class MLflowConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, "log.mlflow.")
+        if self.uri is not None and self.uri != "env":
+            check_tracking_uri("log.mlflow.uri", self.uri)
+
+
+TRACKING_SCHEMES = ("http", "https")
+"""What log.mlflow.uri may be: a tracking server (a file or database store is served first)."""
+
+
+def redact(uri: str) -> str:
+    """The URI without user:password@ (safe to print)."""
+    try:
+        parts = urllib.parse.urlsplit(uri)
+    except ValueError:  # an unclosed '[' (IPv6): no parts to redact by
+        return uri.rpartition("@")[2] if "@" in uri else uri
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def check_tracking_uri(key: str, uri: str) -> None:
+    """A tracking server's URI: http(s)://HOST[:PORT] with a host, a port in 1-65535 and no
+    password (config.yaml would keep it), without a network; one line naming `key` and the fix.
+    tracking.mlflow_uri applies it to $MLFLOW_TRACKING_URI too."""
+    shown = shorten(redact(uri))
+    form = "give the tracking server as http://HOST:PORT or https://HOST"
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        port = parts.port
+    except ValueError as e:  # an unclosed '[', a port that is not a number or past 65535
+        raise ConfigError(f"{key}={shown!r} is not a URL ({_port_problem(e)}): {form}") from None
+    if parts.scheme not in TRACKING_SCHEMES or not parts.netloc:
+        scheme = f"scheme '{shorten(parts.scheme, 20)}'" if parts.scheme else "no scheme"
+        if not parts.scheme or (not parts.netloc and parts.path[:1].isdigit()):  # host:port
+            scheme += f" (did you mean http://{shown}?)"
+        raise ConfigError(
+            f"{key}={shown!r} has {scheme}: {form} (a file or database store: serve it with "
+            "`mlflow server --backend-store-uri URI` and point the trainer at that)"
+        )
+    if not parts.hostname or any(not c.isprintable() or c.isspace() for c in uri):
+        what = "no host" if not parts.hostname else "a space or control character"
+        raise ConfigError(f"{key}={shown!r} has {what}: {form}")
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise ConfigError(f"{key}={shown!r}: the port is empty or 0: {form} (PORT 1-65535)")
+    if parts.password is not None and key == "log.mlflow.uri":
+        raise ConfigError(
+            "log.mlflow.uri holds a password, which config.yaml and the run's params would keep: "
+            "drop it from the URI and export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
+        )
+
+
+def _port_problem(e: ValueError) -> str:
+    """urllib's reason a URL does not split, in a line's words."""
+    text = str(e)
+    if "Port out of range" in text:
+        return "its port is past 65535"
+    if "Port could not be cast" in text:
+        return "its port is not a number"
+    if "IPv6" in text:
+        return "an IPv6 address opened with '[' and not closed with ']'"
+    return shorten(text)
 
 
 @dataclass(kw_only=True)
@@ -541,7 +726,8 @@ class CkptConfig:
     """auto (a Hugging Face GPT-2 layout into model.name=gpt is converted) | none | hf_gpt2."""
     init_rename: dict[str, str] = field(default_factory=dict)
     """Key renames {REGEX: REPLACEMENT}, each applied to every source key in turn (after the
-    conversion; re.sub), e.g. ckpt.init_rename='{^encoder\\.: backbone.}'."""
+    conversion; re.sub), e.g. ckpt.init_rename='{^encoder\\.: backbone.}'. Each regex must
+    compile and each replacement refer only to groups its regex has (\\1, \\g<name>)."""
     init_exclude: str = ""
     """Comma-separated glob patterns of (renamed) keys not to load, e.g. 'fc.*' for a new head:
     the model's tensors they match keep their fresh initialisation, even under init_strict."""
@@ -552,11 +738,67 @@ class CkptConfig:
     def __post_init__(self) -> None:
         check_fields(self, "ckpt.")
         check_choice("ckpt.init_convert", self.init_convert, ("auto", "none", "hf_gpt2"))
-        for pattern in self.init_rename:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise UsageError(f"ckpt.init_rename: '{pattern}' is not a regex ({e})") from None
+        for pattern, replacement in self.init_rename.items():
+            check_rename(pattern, replacement)
+
+
+RENAME_FORM = SAMPLES["ckpt.init_rename"]
+
+
+def check_rename(pattern: str, replacement: Any) -> None:
+    """One ckpt.init_rename rule, before any weights are read: a regex that compiles, and a
+    replacement (text) whose group references (\\1, \\g<name>) the regex has and whose escapes
+    re.sub knows; one line naming the rule and the fix. (Whether it matches a key, and what it
+    renames to: checkpoint.init, against the weights.)"""
+    shown = shorten(str(pattern), 40)
+    if not isinstance(replacement, str):
+        raise UsageError(
+            f"ckpt.init_rename: the replacement of '{shown}' is {_kind(replacement)}, not text: "
+            f"map each REGEX to a REPLACEMENT string, e.g. {RENAME_FORM}"
+        )
+    if not pattern:
+        raise UsageError(
+            "ckpt.init_rename: an empty regex matches between every two characters of every "
+            f"key: give the part of the names to replace, e.g. {RENAME_FORM}"
+        )
+    try:
+        compiled = re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        raise UsageError(
+            f"ckpt.init_rename: '{shown}' is not a regex ({shorten(str(e))}): fix it, e.g. "
+            f"{RENAME_FORM}"
+        ) from None
+    try:
+        compiled.sub(replacement, "")  # the template is parsed against the regex's groups
+    except (re.error, IndexError) as e:
+        raise UsageError(
+            f"ckpt.init_rename: the replacement '{shorten(replacement, 40)}' of '{shown}' "
+            f"{_template_problem(e, compiled)}"
+        ) from None
+
+
+def _template_problem(e: Exception, compiled: re.Pattern) -> str:
+    """Why a replacement does not fit its regex, and the fix."""
+    groups = compiled.groups
+    has = f"the regex has {groups} group{'s' if groups != 1 else ''}" + (
+        f" ({', '.join(compiled.groupindex)} named)" if compiled.groupindex else ""
+    )
+    text = str(e).split(" at position")[0]
+    if "invalid group reference" in text or "unknown group name" in text:
+        fix = (
+            "add a group (...) to the regex"
+            if not groups
+            else "use \\1" + (f" to \\{groups}" if groups > 1 else "")
+        )
+        return f"refers to a group it lacks ({text}; {has}): {fix}"
+    if "bad escape" in text:
+        return (
+            f"has a {text}: a replacement knows \\1, \\g<name>, \\n and \\t; write a "
+            "literal backslash as \\\\"
+        )
+    return (
+        f"is not a replacement for it ({shorten(text)}; {has}): write a group as \\1 or \\g<name>"
+    )
 
 
 @dataclass(kw_only=True)
@@ -683,7 +925,10 @@ def _number_text(value) -> str:
 
 
 def example(key: str) -> str:
-    """`key=<its default>`: a value the schema accepts, to show in an error."""
+    """`key=<its default>`: a value the schema accepts, to show in an error (a sample value for
+    the keys whose default is empty: ranges.SAMPLES)."""
+    if key in SAMPLES:
+        return SAMPLES[key]
     node = defaults().get(key)
     if isinstance(node, list):
         node = "[" + ",".join(map(str, node)) + "]"

@@ -1,23 +1,29 @@
 """Which tracking services a run reports to, and the two hooks a run calls: `check` (before any
 work: a mistake is one line, exit 2) and `tracked(run)` (rank 0: a sender per service, fed the
 train and eval records metrics.jsonl gets; at the end the artifacts and the run's end state).
+
+No torch at import (perf and repro are imported where a run's facts are read): `trainer config
+check` runs `check` too, before any process starts.
 """
 
 from __future__ import annotations
 
+import configparser
 import contextlib
 import functools
 import importlib.util
 import json
+import netrc
 import os
 import sys
 import threading
 import urllib.parse
 
-from trainer import metrics, perf, repro
+from trainer import metrics
 from trainer.config import Config, to_dict
+from trainer.config.schema import check_tracking_uri
 from trainer.errors import ConfigError, Preempted, shorten
-from trainer.tracking.mlflow_rest import MLflowSink, redact
+from trainer.tracking.mlflow_rest import MLflowSink
 from trainer.tracking.sender import Sender, already_sent
 from trainer.tracking.wandb_sink import WandbSink
 
@@ -26,7 +32,6 @@ QUEUE_SIZE = 10_000
 STOP_FLUSH_S = 5.0
 """After a stop or an error, the wait for a service at most (a SIGTERM's checkpoint comes first,
 and the grace period before SIGKILL is short)."""
-SCHEMES = ("http", "https")
 MAX_EXPERIMENT_NAME = 500
 """MLflow's limit (mlflow.utils.validation.MAX_EXPERIMENT_NAME_LENGTH); it refuses ''."""
 WANDB_PROJECT_REFUSES = set("/\\#?%:")
@@ -45,21 +50,7 @@ def mlflow_uri(cfg: Config, environ) -> str | None:
                 "log.mlflow.uri=env, but MLFLOW_TRACKING_URI is not set: export it (e.g. "
                 "http://mlflow:5000), or give log.mlflow.uri=http://HOST:PORT"
             )
-    parts = urllib.parse.urlsplit(uri)
-    if parts.scheme not in SCHEMES or not parts.netloc:
-        scheme = f"scheme '{parts.scheme}'" if parts.scheme else "no scheme"
-        if not parts.scheme or (not parts.netloc and parts.path[:1].isdigit()):  # host:port
-            scheme += f" (did you mean http://{shorten(redact(uri))}?)"
-        raise ConfigError(
-            f"{key}={shorten(redact(uri))!r} has {scheme}: give the tracking server as "
-            "http://HOST:PORT or https://HOST (a file or database store: serve it with `mlflow "
-            "server --backend-store-uri URI` and point the trainer at that)"
-        )
-    if key == "log.mlflow.uri" and parts.password is not None:
-        raise ConfigError(
-            "log.mlflow.uri holds a password, which config.yaml and the run's params would keep: "
-            "drop it from the URI and export MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD"
-        )
+    check_tracking_uri(key, uri)  # the config's own was checked when it was loaded
     return uri
 
 
@@ -91,6 +82,56 @@ def check(cfg: Config, environ) -> None:
             f"log.wandb.project={shorten(project)!r}: W&B refuses project names over 128 "
             "characters or holding any of / \\ # ? % : (give log.wandb.project=NAME)"
         )
+    if w.mode == "online" and not wandb_credentials(environ):
+        host = _wandb_host(environ)
+        raise ConfigError(
+            f"log.wandb.mode=online, but no W&B API key is set here (WANDB_API_KEY is not set, "
+            f"and {_netrc_path(environ)} has no entry for {host}): export WANDB_API_KEY (or run "
+            "`wandb login`), or set log.wandb.mode=offline and upload later with `wandb sync`"
+        )
+
+
+WANDB_HOST = "https://api.wandb.ai"
+"""W&B's server unless WANDB_BASE_URL names another (a self-hosted one)."""
+
+
+def wandb_credentials(environ) -> str | None:
+    """Where wandb.init would find credentials for an online run, as the wandb package looks
+    (wandb/sdk/lib/wbauth): WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, the netrc entry of the
+    W&B host ($NETRC, ~/.netrc or ~/_netrc: what `wandb login` writes), or an api_key in a W&B
+    settings file; None: nowhere, so the run would train without ever reaching W&B."""
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE"):
+        if environ.get(name, "").strip():
+            return name
+    path, host = _netrc_path(environ), _wandb_host(environ)
+    with contextlib.suppress(OSError, netrc.NetrcParseError, UnicodeError):
+        entry = netrc.netrc(path).authenticators(host) if os.path.isfile(path) else None
+        if entry and entry[2]:
+            return path
+    home = environ.get("WANDB_CONFIG_DIR") or os.path.expanduser("~/.config/wandb")
+    for settings in (os.path.join(home, "settings"), os.path.join("wandb", "settings")):
+        parser = configparser.ConfigParser()
+        with contextlib.suppress(OSError, configparser.Error, UnicodeError):
+            parser.read(settings if os.path.isfile(settings) else [], encoding="utf-8")
+            if parser.get("default", "api_key", fallback="").strip():
+                return settings
+    return None
+
+
+def _wandb_host(environ) -> str:
+    """The W&B server's host name, as netrc files name it (api.wandb.ai)."""
+    url = environ.get("WANDB_BASE_URL") or WANDB_HOST
+    with contextlib.suppress(ValueError):
+        return urllib.parse.urlsplit(url).netloc or url
+    return url
+
+
+def _netrc_path(environ) -> str:
+    """The netrc file wandb reads: $NETRC, else ~/.netrc (or ~/_netrc where only that exists)."""
+    if environ.get("NETRC"):
+        return os.path.expanduser(environ["NETRC"])
+    unix, windows = os.path.expanduser("~/.netrc"), os.path.expanduser("~/_netrc")
+    return windows if not os.path.exists(unix) and os.path.exists(windows) else unix
 
 
 def params(cfg: Config) -> dict[str, str]:
@@ -110,6 +151,8 @@ def params(cfg: Config) -> dict[str, str]:
 
 def facts(run, environ) -> dict[str, str]:
     """The run's facts as tags: where and how it runs, and what ran it."""
+    from trainer import perf, repro  # torch: only where a run is (not in `config check`)
+
     w, cfg = run.world, run.cfg
     out = {
         "world_size": w.size,
