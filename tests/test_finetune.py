@@ -334,6 +334,10 @@ def test_every_bad_fine_tuning_input_is_one_line_and_exit_2(tmp_path):
         "no key matches": (f"{init}other.safetensors", "no tensor matches the model"),
         "strict shape": (f"{init}wide.pt", "1.weight has shape (16, 16) there, (8, 16) here"),
         "freeze nothing": ("optim.freeze=conv.*", "optim.freeze: 'conv.*' matches no parameter"),
+        "freeze all": (
+            "optim.freeze='*'",
+            "every parameter is frozen: nothing would train; narrow",
+        ),
         "groups overlap": ("optim.groups.a={params: ['1.*']}", "in both a and b"),
         "lora targets": ("optim.lora_targets=attn", "optim.lora_targets: 'attn' matches no"),
         "nan weights": (f"{init}nan.safetensors", "NaN/inf values (1.weight)"),

@@ -51,7 +51,10 @@ def freeze(model: nn.Module, globs) -> list[str]:
             param.requires_grad_(False)
             frozen.append(plain_name(name))
     if frozen and len(frozen) == len(names):
-        raise UsageError("optim.freeze: every parameter is frozen: nothing would train")
+        raise UsageError(
+            "optim.freeze: every parameter is frozen: nothing would train; narrow the patterns "
+            "(to evaluate weights as they are, use trainer eval)"
+        )
     return frozen
 
 
