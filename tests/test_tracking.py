@@ -198,6 +198,25 @@ def test_a_sink_that_comes_back_gets_everything_in_order():
     assert lines == []
 
 
+def test_files_refused_for_one_cause_say_it_once():
+    """A server whose artifacts are not proxied refuses every file for the same reason: one
+    line naming the files, the reason once (it was repeated for each of 5 files)."""
+
+    class Refusing(FakeSink):
+        def finish(self, status, files):
+            why = "NO_PROXY: artifacts go to /srv/mlruns, not the server"
+            return [(name, why) for name, _ in files[:-1]] + [(files[-1][0], "413: too large")]
+
+    lines = []
+    sender = Sender(Refusing(), size=10, warn=lines.append).start()
+    files = [(n, f"/r/{n}") for n in ("config.yaml", "summary.json", "a.png", "b.png", "w")]
+    assert not sender.close("FINISHED", files, flush_s=20)
+    assert lines == [
+        "warning: Fake at nowhere refused config.yaml, summary.json, a.png and b.png (NO_PROXY: "
+        "artifacts go to /srv/mlruns, not the server); w (413: too large)"
+    ]
+
+
 def test_a_sink_that_stays_down_costs_a_bounded_wait_and_one_line():
     sink, lines = FakeSink(up=False, slow_s=0.0), []
     sender = Sender(sink, size=5, warn=lines.append).start()

@@ -210,7 +210,7 @@ class MLflowSink(Sink):
             except ServerError as e:  # too large, no artifact proxy: the others still go
                 if not e.permanent:
                     raise
-                refused.append(f"{name} ({e})")
+                refused.append((name, str(e)))
         self.client.call(
             "POST",
             "runs/update",

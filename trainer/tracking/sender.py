@@ -40,8 +40,8 @@ class Sink:
     def send(self, records: list[dict]) -> None:
         raise NotImplementedError
 
-    def finish(self, status: str, files: list[tuple[str, str]]) -> list[str]:
-        """The files, then the end state; returns the files it refused, each with why."""
+    def finish(self, status: str, files: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The files, then the end state; returns the files it refused: (name, why)."""
         raise NotImplementedError
 
 
@@ -59,8 +59,8 @@ class Sender:
         self._connected = False
         self._finished = False
         self._abandoned = False
-        self.refused: list[str] = []
-        """Files the sink would not take at the end, each with why."""
+        self.refused: list[tuple[str, str]] = []
+        """Files the sink would not take at the end: (name, why)."""
         self.error: str | None = None
         """The last error from the sink (its first line), None after a success."""
         self._thread = threading.Thread(target=self._run, name=f"{sink.name}-sender", daemon=True)
@@ -87,8 +87,7 @@ class Sender:
         if self._finished and not unsent:
             if self.refused:
                 self.warn(
-                    f"warning: {self.sink.name} at {self.sink.where} refused "
-                    f"{'; '.join(self.refused)}"[:600]
+                    f"warning: {self.sink.name} at {self.sink.where} refused {_grouped(self.refused)}"
                 )
             return not self.refused
         self.warn(self._warning(unsent, flush_s))
@@ -221,3 +220,16 @@ def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     line = text.splitlines()[0] if text else type(e).__name__
     return line[:200]
+
+
+def _grouped(refused: list[tuple[str, str]]) -> str:
+    """'a, b and c (why)': each cause once, after the files it refused (a server whose
+    artifacts are not proxied refuses every file for the same reason)."""
+    by_why: dict[str, list[str]] = {}
+    for name, why in refused:
+        by_why.setdefault(why, []).append(name)
+    parts = []
+    for why, names in by_why.items():
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        parts.append(f"{listed} ({why if len(why) <= 300 else why[:297] + '...'})")
+    return "; ".join(parts)

@@ -54,7 +54,7 @@ class WandbSink(Sink):
         self.state["sent"] = sent_after(self.state.get("sent"), records)
         write_state(self.state_path, self.state)
 
-    def finish(self, status: str, files: list[tuple[str, str]]) -> list[str]:
+    def finish(self, status: str, files: list[tuple[str, str]]) -> list[tuple[str, str]]:
         for _, path in files:
             self.run.save(path, base_path=os.path.dirname(path), policy="now")
         self.run.finish(exit_code=0 if status == "FINISHED" else 1)
