@@ -322,6 +322,21 @@ def test_pipeline_gives_one_process_bits_and_resumes_under_another_layout(one_pr
     assert all(torch.equal(weights(forth)[k], reference[k]) for k in reference)
 
 
+@pytest.mark.slow
+def test_a_frozen_tied_embedding_trains_under_a_pipeline_as_in_one_process(tmp_path):
+    """optim.freeze='tok.*' freezes the GPT's embedding and so its tied head: under pp=2 the two
+    stages' copies have no gradient to exchange (it raised "cannot register a hook on a tensor
+    that doesn't require gradient"); the run equals one process's bit for bit."""
+    frozen = [*TINY, "optim.freeze='tok.*'"]
+    one = tmp_path / "one"
+    train_here("train", *frozen, f"run_dir={one}", config_file="stdlib-gpt")
+    pp = tmp_path / "pp"
+    ranks("train", *PRESET, *frozen, "dist.mesh=pp=2", f"run_dir={pp}", nproc=2)
+    assert _losses(pp) == _losses(one)
+    got, want = weights(pp), weights(one)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.mesh
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

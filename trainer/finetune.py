@@ -13,6 +13,7 @@ import torch
 from trainer import config, lora
 from trainer.checkpoint.weights import find_config, read_weights
 from trainer.errors import UsageError
+from trainer.namedstate import fit_problem
 from trainer.run import Plugins, inputs
 
 
@@ -32,11 +33,12 @@ def merged_weights(src: str) -> dict[str, torch.Tensor]:
         )
     _, _, model = inputs(cfg, "cpu", Plugins())
     model = lora.prepare(cfg.optim, model, cfg.ckpt)
-    problem = model.load_state_dict(read_weights(src), strict=False)
-    if problem.missing_keys or problem.unexpected_keys:
+    state = read_weights(src)
+    if problem := fit_problem(model, state):  # names, shapes, kinds of dtype: before the load
         raise UsageError(
-            f"export --merge {src}: the weights are not this run's adapters (missing "
-            f"{problem.missing_keys[:3]}, unexpected {problem.unexpected_keys[:3]})"
+            f"export --merge {src}: the weights are not this run's adapters ({problem}): "
+            "export the run's own directory or checkpoint, with its config.yaml"
         )
+    model.load_state_dict(state, strict=False)
     model = lora.merged(model)
     return {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}

@@ -67,8 +67,15 @@ def inject(cfg, model: nn.Module, ckpt=None) -> nn.Module:
     config = peft.LoraConfig(
         r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets
     )
-    model = peft.inject_adapter_in_model(config, model)
     also = params.patterns(cfg.lora_also_train)
+    names = [n for n, _ in model.named_parameters()]
+    for p in also:
+        if not any(fnmatch.fnmatchcase(n, p) for n in names):
+            raise UsageError(
+                f"optim.lora_also_train: '{p}' matches no parameter (they are named like "
+                f"{', '.join(names[:3])}, ...): fix the pattern"
+            )
+    model = peft.inject_adapter_in_model(config, model)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name or params.matches(_base_name(name), also))
     trained = {n for n, p in model.named_parameters() if p.requires_grad}

@@ -50,7 +50,8 @@ def loading(part: str):
 
 
 def fit_problem(model: nn.Module, state: dict) -> str | None:
-    """How a state dict fails to fit `model` (names first, then shapes), or None if it fits."""
+    """How a state dict fails to fit `model` (names first, then shapes, then kinds of dtype),
+    or None if it fits."""
     expected = model.state_dict()
     missing = sorted(expected.keys() - state.keys())
     unexpected = sorted(state.keys() - expected.keys())
@@ -59,7 +60,40 @@ def fit_problem(model: nn.Module, state: dict) -> str | None:
     for name, tensor in expected.items():
         if tuple(tensor.shape) != tuple(state[name].shape):
             return f"{name} has shape {tuple(state[name].shape)} there, {tuple(tensor.shape)} here"
+    return dtype_mismatch(expected, state)
+
+
+def dtype_mismatch(expected: dict, state: dict) -> str | None:
+    """The first key both state dicts hold whose dtypes are of different kinds (dtype_problem),
+    or None."""
+    for name, tensor in expected.items():
+        if name in state and (problem := dtype_problem(name, state[name].dtype, tensor.dtype)):
+            return problem
     return None
+
+
+def dtype_kind(dtype: torch.dtype) -> str:
+    """floating point, complex, boolean or integer: what a load may cast within, never across."""
+    if dtype.is_floating_point:
+        return "floating point"
+    if dtype.is_complex:
+        return "complex"
+    return "boolean" if dtype == torch.bool else "integer"
+
+
+def dtype_problem(name: str, there: torch.dtype, here: torch.dtype) -> str | None:
+    """Why a saved tensor of dtype `there` may not load into one of dtype `here`, or None. A
+    float into another float is a cast (fp16/bf16 weights into an fp32 model); an integer or
+    boolean into a float parameter (or the reverse) would turn ids, counts or masks into
+    weights: refused, naming the key and both dtypes."""
+    if dtype_kind(there) == dtype_kind(here):
+        return None
+    a, b = (str(d).removeprefix("torch.") for d in (there, here))
+    article = "an" if dtype_kind(here) == "integer" else "a"
+    return (
+        f"{name} is {a} there, {b} here: {dtype_kind(there)} values do not load into "
+        f"{article} {dtype_kind(here)} tensor (only float dtypes cast to each other)"
+    )
 
 
 def _options(**kwargs):

@@ -352,7 +352,9 @@ def _fresh_start(cfg: Config, parts: Parts, log: RunLogger) -> None:
     rank's own RNG stream."""
     if cfg.ckpt.init_weights and not cfg.optim.lora_targets:  # LoRA: loaded beneath the adapters
         laid = parts.model.parts  # the model as this rank holds it
-        report = load_init(laid.view, cfg.ckpt, cfg.model, shapes=laid.shapes)
+        report = load_init(
+            laid.view, cfg.ckpt, cfg.model, shapes=laid.shapes, dtypes=laid.dtypes
+        )  # the whole model's, so every rank refuses what any would (a stage holds a part)
         log.info(f"initial weights from {cfg.ckpt.init_weights}")
         if not cfg.ckpt.init_strict or report.converted or report.excluded:
             log.info(report.table())

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import stat
 
 import torch
 from torch import nn
@@ -17,7 +19,8 @@ from torch import nn
 from trainer import hf, storage
 from trainer.checkpoint import store
 from trainer.checkpoint.streamed import StreamWriter
-from trainer.errors import UsageError, io_error
+from trainer.errors import UsageError, io_error, shorten
+from trainer.namedstate import dtype_mismatch
 from trainer.state import fit_problem, non_finite
 from trainer.strategy import unwrap
 
@@ -80,20 +83,27 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     Tensors come back on the CPU whatever device saved them; load_state_dict then copies them
     to wherever the model lives (a GPU checkpoint loads on CPU or on another GPU index).
     """
+    return read_source(path)[0]
+
+
+def read_source(path: str) -> tuple[dict[str, torch.Tensor], tuple[str, dict] | None]:
+    """read_weights' weights, and (its path, its contents) of the config.json of a Hugging Face
+    folder (beside a shard index too), else None: what ckpt.init_convert=hf_gpt2 checks."""
     if storage.is_url(path):  # s3://: a verified local copy, read as any local one
         with store.fetched(path) as local:
-            return read_weights(local)
+            return read_source(local)
     if path.endswith(".index.json") and os.path.isfile(path):
-        return _finite(_read_files(hf.index_files(path)), path)
+        config = _hf_config(os.path.dirname(path))
+        return _finite(_read_files(hf.index_files(path)), path), config
     if os.path.isdir(path):
         checkpoint = _checkpoint_at(path)
         if checkpoint is not None and store.is_sharded(checkpoint):
             from trainer.checkpoint import sharded
 
-            return _finite(sharded.read_model(checkpoint), checkpoint)
+            return _finite(sharded.read_model(checkpoint), checkpoint), None
         if checkpoint is None and hf.is_folder(path):  # a Hugging Face folder, maybe sharded
-            hf.check_gpt2_config(path)
-            return _finite(_read_files(hf.weight_files(path)), path)
+            config = _hf_config(path)
+            return _finite(_read_files(hf.weight_files(path)), path), config
         folder = checkpoint or os.path.join(path, "final")
         if not os.path.isfile(os.path.join(folder, "model.safetensors")):
             raise UsageError(
@@ -103,7 +113,12 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         path = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(path):
         raise UsageError(f"{path}: no such weights file or directory")
-    return _finite(_read_file(path), path)
+    return _finite(_read_file(path), path), None
+
+
+def _hf_config(folder: str) -> tuple[str, dict] | None:
+    config = hf.check_gpt2_config(folder)
+    return None if config is None else (os.path.join(folder, "config.json"), config)
 
 
 def _read_file(path: str) -> dict[str, torch.Tensor]:
@@ -111,14 +126,64 @@ def _read_file(path: str) -> dict[str, torch.Tensor]:
     if path.endswith(".safetensors"):
         state = store.read_safetensors(path)
     else:
-        state = store.torch_load(path, mmap=True)
+        state = _torch_load(path)
         for key in ("model", "state_dict", "model_state_dict"):  # common wrappers
             if isinstance(state, dict) and isinstance(state.get(key), dict):
                 state = state[key]
                 break
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise UsageError(f"{path}: does not hold a state_dict of tensors")
-    return strip_prefixes(state)
+    if not isinstance(state, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+    ):
+        raise UsageError(
+            f"{path}: does not hold a state_dict of tensors (a dict of name -> tensor): re-save "
+            "the weights with torch.save(model.state_dict(), path)"
+        )
+    plain = strip_prefixes(state)
+    if len(plain) < len(state):
+        seen: dict[str, str] = {}
+        for key in state:
+            name = strip_prefixes({key: None}).popitem()[0]
+            if name in seen:
+                raise UsageError(
+                    f"{path}: holds both {seen[name]} and {key}, one tensor {name} under a "
+                    "wrapper's prefix (module., _orig_mod.) and without: re-save the plain "
+                    "model's state_dict"
+                )
+            seen[name] = key
+    return plain
+
+
+_PICKLE_WHY = (
+    (re.compile(r"GLOBAL ([\w.]+)"), "it names {}"),
+    (re.compile(r"Unsupported operand (\d+)"), "pickle opcode {}"),
+)
+"""What torch's refusal names (torch 2.14's words): a global it would import, or an opcode its
+unpickler does not take."""
+
+
+def _torch_load(path: str):
+    """A torch.save'd file through store.torch_load (weights_only: tensors and plain
+    containers), as one line of ours when refused: no warning of torch's before it (a pickle
+    protocol it does not expect) and none of its advice (to load with weights_only=False, which
+    would run the file's code)."""
+    import pickle
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pickle protocol", category=UserWarning)
+        try:
+            return store.torch_load(path, mmap=True)
+        except UsageError as e:
+            cause = e.__context__
+            if not isinstance(cause, pickle.UnpicklingError):
+                raise
+            found = [form.format(m[1]) for r, form in _PICKLE_WHY if (m := r.search(str(cause)))]
+            what = f" ({shorten(found[0], 80)})" if found else ""
+    raise UsageError(
+        f"{path}: refused to load (read with weights_only=True): it holds pickled objects "
+        f"other than tensors and plain containers{what}, which could run code: re-save the "
+        "weights as safetensors, or with torch.save(model.state_dict(), path)"
+    )
 
 
 def _read_files(paths: list[str]) -> dict[str, torch.Tensor]:
@@ -161,6 +226,11 @@ def load_weights_into(model: nn.Module, path: str, model_cfg=None) -> None:
         raise UsageError(
             f"{path}: holds LoRA adapters (optim.lora_targets), not a whole model: merge them "
             f"into their base weights first (trainer export {path} --merge -o OUT), then use OUT"
+        )
+    if problem and problem == dtype_mismatch(unwrap(model).state_dict(), state):
+        raise UsageError(
+            f"{path}: weights do not fit model ({problem}): these are not this model's trained "
+            "weights; point at a run, checkpoint or weights file of it"
         )
     if problem:
         raise UsageError(

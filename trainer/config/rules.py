@@ -24,6 +24,13 @@ def _check_model_parallel(cfg: Config, name: str, lay: Layout) -> None:
             f"{mesh} splits the model over processes, but dist.strategy=dp is single-process "
             "nn.DataParallel: use dist.strategy=ddp or fsdp for the data-parallel dimension"
         )
+    if cfg.optim.lora_targets and lay.pp > 1:
+        raise ConfigError(
+            f"{mesh}: LoRA (optim.lora_targets) is not supported under pipeline parallelism "
+            "(it freezes the tied embedding the stages exchange, and its narrowed checkpoints "
+            "are not split by stage): run it on one process or data-parallel (ddp or fsdp), or "
+            "leave optim.lora_targets empty"
+        )
     if cfg.repro.world_invariant and lay.tp > 1:
         raise ConfigError(
             f"repro.world_invariant=true gives the same bits on any world size, which {mesh} "

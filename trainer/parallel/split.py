@@ -177,10 +177,14 @@ class Tied:
 
 
 def tied_weights(model: nn.Module, split: Split) -> list[Tied]:
-    """The parameters that one module object shares between stages."""
+    """The trained parameters that one module object shares between stages. A frozen one
+    (optim.freeze, applied to the whole model before the split, so on every rank alike) has no
+    gradient to exchange: its copies stay equal as they are."""
     by_id: dict[int, list[str]] = {}
     shapes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue
         by_id.setdefault(id(p), []).append(name)
         shapes[id(p)] = tuple(p.shape)
     out = []
