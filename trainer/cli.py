@@ -126,8 +126,8 @@ def _add_export_command(sub) -> None:
     p.add_argument(
         "-o",
         "--out",
-        help="output directory or s3:// prefix (default: SRC/export, or FILE-export; for an "
-        "s3:// SRC, ./NAME-export)",
+        help="output directory or s3:// prefix, never inside a run but RUN/export (default: "
+        "SRC/export, or FILE-export; for an s3:// SRC, ./NAME-export)",
     )
     p.add_argument(
         "--format",
@@ -436,6 +436,9 @@ def _local(src: str):
     verified against its manifest, or one object)."""
     storage.check_path("source", src)
     if not storage.is_url(src):
+        from trainer.checkpoint.weights import check_source
+
+        check_source(src)  # no FIFO or device where a file is read: a read would hang
         yield src
         return
     from trainer.checkpoint import store

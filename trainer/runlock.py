@@ -20,6 +20,12 @@ A lock a job left behind never blocks the next one; the holder is gone when:
   process now (its start time differs);
 - it ran elsewhere (another node or container) and its heartbeat stops: the newcomer watches it
   for up to STALE_S (or takes over at once when it is older than that by this machine's clock).
+
+Anything else where the lock belongs (a directory, a FIFO, a link, a socket, a file that cannot
+be read, is not JSON or holds a record with a field missing or of the wrong type) names no
+holder, so it is neither taken over nor read as no lock: one line (BadLock) naming the file and
+the fix, exit 2. The lock is looked at before it is read (lstat, an open that neither blocks nor
+follows a link, at most MAX_BYTES read), so nothing put there can hang the job.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from trainer import jsonfile
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, shorten
 
 LOCK = ".job.lock"
 BEAT_S = 5.0
@@ -111,27 +117,143 @@ class Holder:
         )
 
 
+MAX_BYTES = 64 * 1024
+"""A holder's record is a few hundred bytes: a lock file bigger than this is not one (and no
+more than this is ever read of it)."""
+FRESH_S = 2.0
+"""A lock that is not a record yet may be one being written (an O_EXCL create on storage without
+hard links is empty until its record lands): one this young is watched a moment, not refused."""
+LATEST = 1e11
+"""A recorded time (seconds since 1970) past this (the year 5138) is no clock's."""
+PID_MAX = 1 << 22
+"""Linux's largest pid (PID_MAX_LIMIT): a recorded pid outside 1..PID_MAX is no process's."""
+
+
+class BadLock(ConfigError):
+    """RUN_DIR/.job.lock is not a job's record (a directory, a FIFO, a link, unreadable, not
+    JSON, a field of the wrong type): one line naming the file and the fix. Never read as no
+    lock (an unlocked run) nor as a dead holder's (a takeover): who holds the folder is unknown.
+
+    `ident`: the file's (inode, mtime) when it is a regular file (its content is what is wrong,
+    and it may still be being written), else None."""
+
+    def __init__(self, path: str, problem: str, ident: tuple[int, int] | None = None):
+        super().__init__(
+            f"{path}: the run folder's job lock {problem}: remove it if no job uses this "
+            "folder, or use another run_dir"
+        )
+        self.ident = ident
+
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISLNK, "a symbolic link"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+
+
+def _not_regular(mode: int) -> str:
+    kind = next((what for test, what in _KINDS if test(mode)), "something else")
+    return f"is not a regular file but {kind}"
+
+
 def _read(path: str) -> tuple[Holder | None, tuple[int, int] | None]:
-    """(the holder recorded at `path` or None if the file is not a record, the file's identity:
-    inode and modification time); (None, None) when there is no lock. A lock that is not a
-    regular file (a FIFO would block the read) is one line naming the fix."""
+    """(the holder recorded at `path`, the file's identity: inode and modification time);
+    (None, None) when there is no lock. Looked at before it is read (lstat, then an open that
+    neither blocks nor follows a link, and at most MAX_BYTES read): anything but a regular file
+    holding a well-formed record raises BadLock, so a FIFO cannot hang the job, and a lock
+    nobody can read is neither ignored nor taken over."""
     try:
         info = os.lstat(path)
     except FileNotFoundError:
         return None, None
+    except OSError as e:
+        raise BadLock(path, f"cannot be looked at ({e.strerror})") from None
     if not stat.S_ISREG(info.st_mode):
-        raise ConfigError(
-            f"{path} is not a regular file (the run folder's job lock): remove it, or use "
-            "another run_dir"
-        )
-    ident = (info.st_ino, info.st_mtime_ns)
+        raise BadLock(path, _not_regular(info.st_mode))
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
     try:
-        with open(path, encoding="utf-8") as f:
-            return Holder(**json.load(f)), ident
+        fd = os.open(path, flags)
     except FileNotFoundError:
         return None, None
-    except (OSError, ValueError, TypeError):
-        return None, ident
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # a link put there since the lstat
+            raise BadLock(path, _not_regular(stat.S_IFLNK)) from None
+        raise BadLock(path, f"cannot be read ({e.strerror})") from None
+    try:
+        info = os.fstat(fd)  # what was opened, whatever the name pointed at before
+        if not stat.S_ISREG(info.st_mode):
+            raise BadLock(path, _not_regular(info.st_mode))
+        ident = (info.st_ino, info.st_mtime_ns)
+        if info.st_size > MAX_BYTES:
+            raise BadLock(path, f"is {info.st_size:,} bytes, not a job's record", ident)
+        data = b""
+        while len(data) <= MAX_BYTES and (block := os.read(fd, MAX_BYTES + 1 - len(data))):
+            data += block
+    except OSError as e:
+        raise BadLock(path, f"cannot be read ({e.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_BYTES:  # it grew since the fstat
+        raise BadLock(path, f"is over {MAX_BYTES:,} bytes, not a job's record", ident)
+    try:
+        return _holder(data), ident
+    except ValueError as e:
+        raise BadLock(path, f"is not a job's record ({e})", ident) from None
+
+
+_TEXT = (str,)
+_FIELDS = {
+    "host": _TEXT,
+    "pid": (int,),
+    "machine": _TEXT,
+    "process_start": (str, type(None)),
+    "since": (int, float),
+    "beat": (int, float),
+    "job": (str, type(None)),
+    "token": _TEXT,
+}
+
+
+def _holder(data: bytes) -> Holder:
+    """The Holder a lock file's bytes record, or ValueError saying what is wrong with them."""
+    if not data.strip():
+        raise ValueError("empty")
+    try:
+        record = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except (ValueError, RecursionError):
+        raise ValueError("not JSON") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"a JSON {type(record).__name__}, not an object")
+    if missing := [name for name in _FIELDS if name not in record]:
+        raise ValueError(f"no '{missing[0]}' field")
+    for name, types in _FIELDS.items():
+        value = record[name]
+        if isinstance(value, bool) or not isinstance(value, types):
+            shown = json.dumps(value)
+            shown = shown if len(shown) <= 40 else f"{shown[:30]}..."
+            want = {"pid": "a whole number", "since": "a number", "beat": "a number"}
+            raise ValueError(f"'{name}' is {shown}, not {want.get(name, 'a string')}")
+    if not 0 < record["pid"] <= PID_MAX:
+        raise ValueError(f"'pid' is {shorten(str(record['pid']))}, no process's")
+    for name in ("since", "beat"):  # seconds since 1970: a time a clock can show
+        if not 0 <= record[name] < LATEST:  # NaN and infinities too
+            raise ValueError(f"'{name}' is {shorten(str(record[name]))}, not a time")
+    return Holder(**{name: record[name] for name in _FIELDS})
+
+
+def _fresh(path: str) -> bool:
+    """Whether the file at `path` was modified within FRESH_S (by this machine's clock; a time
+    ahead of it, another machine's clock, counts as fresh)."""
+    try:
+        return time.time() - os.lstat(path).st_mtime < FRESH_S
+    except OSError:
+        return False
 
 
 def _write(path: str, holder: Holder) -> None:
@@ -215,17 +337,23 @@ class RunLock:
         while True:
             if self._create():
                 return self._beating()
-            holder, ident = _read(self.path)
+            try:
+                holder, ident = _read(self.path)
+            except BadLock as e:  # a new lock still being written (no hard links) waits a moment
+                now = time.monotonic()
+                if e.ident is None or not _fresh(self.path):
+                    raise
+                if unreadable is None or unreadable[0] != e.ident:
+                    unreadable = (e.ident, now)
+                if now - unreadable[1] >= 1.0:
+                    raise
+                time.sleep(0.05)
+                continue
             if ident is None:  # gone between the create and the read: try again
                 time.sleep(0.01)
                 continue
             now = time.monotonic()
-            if holder is None and (unreadable is None or unreadable[0] != ident):
-                unreadable = (ident, now)  # a lock still being written (no hard links): wait
-            if holder is None and now - unreadable[1] < 1.0:
-                time.sleep(0.05)
-                continue
-            if holder is None or self._gone(holder):
+            if self._gone(holder):
                 if self._replace(ident):
                     return self._beating()
                 # Another newcomer is taking it over: it wins, or died doing so (its tombstone

@@ -316,13 +316,14 @@ def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) ->
                 else "name what to export first (trainer export RUN_DIR -o OUT)"
             )
         )
+    default = out is None
     if out is None:
         out = (
             os.path.join(src, "export")
             if os.path.isdir(src)
             else os.path.splitext(src)[0] + "-export"
         )
-    _check_out(out)  # before reading: a bad -o fails at once
+    _check_out(out, src, default)  # before reading: a bad -o fails at once
     if fmt == "plain" and merged is None and (sharded := _sharded_checkpoint(src)):
         return _export_streamed(sharded, out, find_config(src))
     state = merged() if merged else read_weights(src)
@@ -335,7 +336,7 @@ def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) ->
             store.save_safetensors(
                 {k: v.contiguous() for k, v in state.items()},
                 os.path.join(tmp, "model.safetensors"),
-                {"format": "pt"},
+                EXPORT_METADATA,
             )
             if hf_config:
                 with open(os.path.join(tmp, "config.json"), "w") as f:
@@ -370,7 +371,7 @@ def _export_streamed(checkpoint: str, out: str, config: str | None) -> str:
     try:
         with store.atomic_dir(out) as tmp:  # on any error the temporary folder goes, out stays
             tensors = finite(sharded.iter_model(checkpoint))
-            _stream(os.path.join(tmp, "model.safetensors"), layout, tensors, {"format": "pt"})
+            _stream(os.path.join(tmp, "model.safetensors"), layout, tensors, EXPORT_METADATA)
             if config:
                 shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
     except OSError as e:
@@ -379,6 +380,10 @@ def _export_streamed(checkpoint: str, out: str, config: str | None) -> str:
 
 
 EXPORTED = {"model.safetensors", "config.yaml", "config.json"}
+EXPORT_METADATA = {"format": "pt", "written_by": "trainer export"}
+"""The metadata of an export's model.safetensors: what tells an earlier export (which a new
+one may replace) from a folder of the same file names it did not write (a run's final/, a
+download of another model)."""
 
 
 def _hf_gpt2(state: dict, config: str | None) -> dict:
@@ -405,12 +410,42 @@ def check_bucket_out(url: str) -> None:
     """`export -o s3://...`: the prefix holds nothing but an earlier export's objects (those
     are replaced), so an export never writes over what it did not write itself."""
     with storage.explained(f"export -o {url}"):
-        other = sorted({rel for rel, _ in storage.walk(url)} - EXPORTED)
+        names = {rel for rel, _ in storage.walk(url)}
+        other = sorted(names - EXPORTED)
+        # model.safetensors goes up last: a prefix without it is an upload cut short
+        foreign = not other and "model.safetensors" in names and not _bucket_export(url)
     if other:
         raise UsageError(
             f"export -o {url}: the prefix holds other objects ({', '.join(other[:3])}) that an "
             "export would mix with: name a new prefix (or an earlier export's)"
         )
+    if foreign:
+        raise UsageError(
+            f"export -o {url}: the prefix holds a model.safetensors no export wrote (another "
+            "model's weights?) that an export would replace: name a new prefix (or an earlier "
+            "export's)"
+        )
+
+
+def _bucket_export(url: str) -> bool:
+    """Whether url/model.safetensors is an export's (EXPORT_METADATA in its header: the
+    header alone is read, two ranged reads)."""
+    bucket, key = storage.split(storage.join(url, "model.safetensors"))
+
+    def read(start: int, end: int) -> bytes:
+        where = f"bytes={start}-{end}"
+        return storage.client().get_object(Bucket=bucket, Key=key, Range=where)["Body"].read()
+
+    what = f"reading {storage.join(url, 'model.safetensors')}"
+    size = int.from_bytes(storage.retried(what, lambda: read(0, 7)), "little")
+    if not 2 <= size <= _MAX_HEADER:
+        return False
+    try:
+        header = json.loads(storage.retried(what, lambda: read(8, 7 + size)).decode("utf-8"))
+    except (ValueError, RecursionError):
+        return False
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return isinstance(meta, dict) and meta.get("written_by") == EXPORT_METADATA["written_by"]
 
 
 def upload_export(folder: str, url: str) -> str:
@@ -424,26 +459,211 @@ def upload_export(folder: str, url: str) -> str:
     return storage.join(url, "model.safetensors")
 
 
-def _is_export(path: str) -> bool:
-    """An earlier export's folder (only what export writes): a fine -o, not a swapped source."""
-    return os.path.isdir(path) and set(os.listdir(path)) <= EXPORTED
+SCAN_DEPTH = 4
+"""How deep check_source looks into a source folder (RUN/checkpoints/step-N/dcp/FILE)."""
 
 
-def _check_out(out: str) -> None:
-    """`out` is a directory export may create or replace: its parent exists and is a directory,
-    and it is absent, empty, or an earlier export (only what export writes). Anything else
-    would be lost when the new export replaces it."""
+def check_source(src: str) -> None:
+    """A local source of eval or export is a regular file or a folder whose entries (SCAN_DEPTH
+    deep, links followed to files) are files and folders only: a FIFO where a weights file,
+    manifest or config is read would block the read forever, a device would never end. One
+    line naming it instead. A source that does not exist is left to the reader to name."""
+    try:
+        info = os.stat(src)
+    except OSError:
+        return
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+        raise UsageError(
+            f"{src}: is {_kind(info.st_mode)}, not a run directory, checkpoint or weights file: "
+            "name one of those"
+        )
+    if stat.S_ISDIR(info.st_mode):
+        _scan(src, src, SCAN_DEPTH)
+
+
+def _scan(src: str, folder: str, depth: int) -> None:
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return  # an unreadable folder: the reader names it, if it reads it at all
+    for entry in entries:
+        try:
+            if entry.is_dir(follow_symlinks=False):
+                if depth > 1:
+                    _scan(src, entry.path, depth - 1)
+                continue
+            mode = os.stat(entry.path).st_mode
+        except OSError:
+            continue  # a dangling link: read as missing
+        if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            raise UsageError(
+                f"{src}: {entry.path} is {_kind(mode)}, not a file, which a read would block "
+                "on or never finish: remove it, or point at another source"
+            )
+
+
+def _kind(mode: int) -> str:
+    for test, what in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def _is_export(path: str, legacy: bool = False) -> bool:
+    """An earlier export's folder, which a new export may replace: a real folder (not a link)
+    of regular files, only names export writes, and a model.safetensors export marked as its
+    own (EXPORT_METADATA): a run's final/ or another model's download is not one.
+
+    `legacy`: also an export of the versions before the mark (metadata {"format": "pt"}
+    alone), where nothing else can be: RUN/export, the default for a run."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        names = set(os.listdir(path))
+    except OSError:
+        return False
+    if "model.safetensors" not in names or not names <= EXPORTED:
+        return False
+    for name in names:
+        try:
+            if not stat.S_ISREG(os.lstat(os.path.join(path, name)).st_mode):
+                return False
+        except OSError:
+            return False
+    header = _safetensors_header(os.path.join(path, "model.safetensors"))
+    meta = header.get("__metadata__") if header else None
+    if legacy and meta == {"format": "pt"}:
+        return True
+    return isinstance(meta, dict) and meta.get("written_by") == EXPORT_METADATA["written_by"]
+
+
+_MAX_HEADER = 100 * 1024 * 1024
+"""safetensors' own bound on a header."""
+
+
+def _safetensors_header(path: str) -> dict | None:
+    """The JSON header of the safetensors file at `path`, or None when it is not one. Looked at
+    before it is read: a regular file only (no FIFO, device or link is opened), opened without
+    blocking, and no more than its header read."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            return None
+        fd = os.open(path, flags)
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size < 8:
+            return None
+        size = int.from_bytes(os.pread(fd, 8, 0), "little")
+        if not 2 <= size <= min(_MAX_HEADER, info.st_size - 8):
+            return None
+        header = json.loads(os.pread(fd, size, 8).decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+    return header if isinstance(header, dict) else None
+
+
+RUN_MARKS = ("metrics.jsonl", "run.json", "summary.json", ".job.lock", "checkpoints", "final")
+"""Beside config.yaml, what makes a folder a run's (what `trainer train` writes there)."""
+
+
+def _owner(path: str) -> tuple[str, str] | None:
+    """(folder, what) of the run folder, else the checkpoint, that `path` is or lies inside
+    (where it really is, links resolved), the innermost; None when it is in neither."""
+    from trainer.checkpoint.files import MANIFEST
+
+    here, checkpoint = os.path.realpath(path), None
+    while True:
+        if checkpoint is None and os.path.isfile(os.path.join(here, MANIFEST)):
+            checkpoint = here  # a checkpoint of a run is named by its run
+        if os.path.isfile(os.path.join(here, "config.yaml")) and any(
+            os.path.lexists(os.path.join(here, mark)) for mark in RUN_MARKS
+        ):
+            return here, "run folder"
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None if checkpoint is None else (checkpoint, "checkpoint")
+        here = parent
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether the real path `path` lies strictly inside the real folder `folder`."""
+    return path != folder and os.path.commonpath([path, folder]) == folder
+
+
+def _check_out(out: str, src: str | None = None, default: bool = False) -> None:
+    """`out` is a directory export may create or replace: its parent exists and is a directory;
+    it is no link; it is neither the source, nor inside it, nor holds it; it is not, and is not
+    inside, a run folder or a checkpoint (a run's own files: final/, checkpoints/ ...), except a
+    run folder's export/ (the default for a run); and it is absent, empty, or an earlier export
+    (_is_export). Anything else would be lost when the new export replaces it.
+
+    `default`: `out` is the default for `src` (no -o given): the message says so."""
+    where = f"export {src}: its default output {out}" if default else f"export -o {out}"
+    fix = "name the output with -o, a new folder" if default else "name a new folder"
+    _check_out_place(out, where, fix)
+    real = os.path.realpath(out)
+    owner = _owner(out)
+    run_export = owner is not None and owner[1] == "run folder"
+    run_export = run_export and real == os.path.join(owner[0], "export")
+    source = None
+    if src is not None and not storage.is_url(src) and os.path.exists(src):
+        source = os.path.realpath(src)
+    if source is not None and (real == source or _inside(source, real)):
+        relation = "is the source itself" if real == source else f"holds the source {src}"
+        raise UsageError(
+            f"{where}: {relation}: an export never writes over what it reads: {fix} elsewhere"
+        )
+    try:
+        names = set(os.listdir(out)) if os.path.isdir(out) else set()
+    except OSError as e:
+        raise UsageError(f"{where}: cannot be listed ({e.strerror}): {fix}") from None
+    if owner is not None and not run_export:
+        folder, what = owner
+        placed = "is" if real == folder else "is inside"
+        held = f" and holds other files ({', '.join(sorted(names)[:3])})" if names else ""
+        also = f" (or {os.path.join(folder, 'export')})" if what == "run folder" else ""
+        through = f" (really {real})" if real != os.path.abspath(out) else ""
+        raise UsageError(
+            f"{where}{through}: {placed} the {what} {folder}{held}, and an export never writes "
+            f"into a run's own folders: {fix} outside it{also}"
+        )
+    if source is not None and _inside(real, source) and not run_export:
+        raise UsageError(
+            f"{where}: is inside the source {src}: an export never writes into what it reads: "
+            f"{fix} elsewhere"
+        )
+    if os.path.isdir(out):
+        if names and not _is_export(out, legacy=run_export):
+            other = sorted(names - EXPORTED) or sorted(names)
+            what = "other files" if names - EXPORTED else "files no export wrote"
+            raise UsageError(
+                f"{where}: a folder that holds {what} ({', '.join(other[:3])}) would be "
+                f"replaced: {fix} (or an earlier export's)"
+            )
+    elif os.path.lexists(out):
+        raise UsageError(f"{where}: is a file, not a directory: {fix}")
+
+
+def _check_out_place(out: str, where: str, fix: str) -> None:
+    """`out`'s parent exists and is a folder, and `out` is no link (an export replaces what -o
+    names: the link, not what it points at)."""
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         if os.path.exists(parent):
-            raise UsageError(f"export -o {out}: {parent} is a file, not a folder: fix the path")
-        raise UsageError(f"export -o {out}: the folder {parent} does not exist: create it first")
-    if os.path.isdir(out):
-        other = sorted(set(os.listdir(out)) - EXPORTED)
-        if other:
-            raise UsageError(
-                f"export -o {out}: a folder that holds other files ({', '.join(other[:3])}) would "
-                "be replaced: name a new directory (or an earlier export's)"
-            )
-    elif os.path.lexists(out):
-        raise UsageError(f"export -o {out}: is a file, not a directory: name a new directory")
+            raise UsageError(f"{where}: {parent} is a file, not a folder: fix the path")
+        raise UsageError(f"{where}: the folder {parent} does not exist: create it first")
+    if os.path.islink(out):
+        raise UsageError(
+            f"{where}: is a symbolic link (to {os.readlink(out)}), which an export would "
+            f"replace: {fix} (or the folder itself, if it is an earlier export)"
+        )
