@@ -205,6 +205,7 @@ def _index_folder(root: Path, label: str, form, keys: list[str], shard: dict) ->
 def files(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("bad-init")
     (root / "out").mkdir()  # where the exports would go
+    os.mkfifo(root / "fifo.pt")
     good = {k: v.contiguous() for k, v in _tiny_state().items()}
     keys = list(good)
     save_file(good, root / "good.safetensors")
@@ -285,6 +286,11 @@ def _cases(root: Path, good: Path) -> list[WingCase]:
 
     def add(area: str, argv, names: str, runs: str = "") -> None:
         cases.append(WingCase(area, tuple(argv), names, runs=runs))
+
+    # what is no file: a FIFO (a read would block) and a device (no end)
+    for label, path in (("a FIFO", root / "fifo.pt"), ("a device", Path("/dev/zero"))):
+        kind = label.split()[-1]
+        add(f"source: {label}", [*tiny, init(path)], f"not a regular file (a {kind})")
 
     # shard indexes x bad forms: the folder through train, the index itself through export
     for label, (_, names) in INDEX_FORMS.items():

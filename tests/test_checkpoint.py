@@ -79,6 +79,15 @@ def _flip(p):
     p.write_bytes(bytes(data))
 
 
+def _replace(p, make):
+    p.unlink()
+    make(p)
+
+
+def _to_zero(p):
+    os.symlink("/dev/zero", p)
+
+
 @pytest.mark.parametrize(
     "damage, reason",
     [
@@ -91,6 +100,9 @@ def _flip(p):
         (lambda c: (c / store.MANIFEST).unlink(), "no readable MANIFEST.sha256"),
         (lambda c: (c / store.MANIFEST).write_text("garbage\n"), "malformed MANIFEST.sha256"),
         (lambda c: (c / "meta.json").write_text("{}"), "meta.json does not match its sha256"),
+        # where the manifest belongs, a FIFO hung the read; a device had no end
+        (lambda c: _replace(c / store.MANIFEST, os.mkfifo), "no readable MANIFEST.sha256"),
+        (lambda c: _replace(c / store.MANIFEST, _to_zero), "no readable MANIFEST.sha256"),
     ],
 )
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(trained, damage, reason):

@@ -21,11 +21,13 @@ and DCP's own tensor files.
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Callable
 
 import torch
@@ -233,6 +235,25 @@ def is_sharded(path: str) -> bool:
     return os.path.isfile(os.path.join(path, SHARDED_METADATA))
 
 
+MANIFEST_LIMIT = 1 << 20
+"""The largest MANIFEST.sha256 read (a checkpoint's lists a few files: ~100 bytes a line)."""
+
+
+def _read_regular(path: str, limit: int) -> bytes:
+    """A regular file's bytes, opened without following a link or blocking (a FIFO or a device
+    where the manifest belongs would hang a plain open or read forever): OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        data = os.read(fd, limit + 1)
+        if len(data) > limit:
+            raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", path)
+        return data
+    finally:
+        os.close(fd)
+
+
 def verify(path: str) -> None:
     """Raise CorruptCheckpoint unless every file matches the manifest and none is missing."""
     if storage.is_url(path):
@@ -240,12 +261,12 @@ def verify(path: str) -> None:
         return
     manifest = os.path.join(path, MANIFEST)
     try:
-        with open(manifest, encoding="utf-8") as f:
-            lines = [line.split() for line in f if line.strip()]
+        text = _read_regular(manifest, MANIFEST_LIMIT).decode("utf-8")
     except OSError as e:
         raise CorruptCheckpoint(f"no readable {MANIFEST} ({e.strerror})") from None
     except UnicodeDecodeError:
         raise CorruptCheckpoint(f"{MANIFEST} is not text (non-UTF-8 bytes)") from None
+    lines = [line.split() for line in text.splitlines() if line.strip()]
     entries = {}
     for parts in lines:
         if len(parts) != 2:

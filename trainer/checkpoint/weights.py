@@ -112,8 +112,19 @@ def read_source(path: str) -> tuple[dict[str, torch.Tensor], tuple[str, dict] | 
             )
         path = os.path.join(folder, "model.safetensors")
     if not os.path.isfile(path):
+        if os.path.exists(path):  # a FIFO, socket or device: a read would block or never end
+            raise UsageError(
+                f"{path}: not a regular file (a {_kind_of(path)}): point at a weights file, a "
+                "checkpoint or run directory, or a Hugging Face folder"
+            )
         raise UsageError(f"{path}: no such weights file or directory")
     return _finite(_read_file(path), path), None
+
+
+def _kind_of(path: str) -> str:
+    mode = os.stat(path).st_mode
+    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"))
+    return next((name for test, name in kinds if test(mode)), "device")
 
 
 def _hf_config(folder: str) -> tuple[str, dict] | None:
