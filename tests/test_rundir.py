@@ -44,7 +44,11 @@ def test_resume_continues_the_newest_run_with_its_config_and_says_what_the_chang
 ):
     train(capsys, *QUICK, "optim.lr=0.05")  # a value --resume must take from config.yaml
     train(capsys, *QUICK, "optim.lr=0.05")
-    older, newest = rundir.runs("tiny")
+    export = here / "runs" / "tiny" / "zz-export"  # sorts last; config.yaml as an export has
+    export.mkdir()
+    (export / "config.yaml").write_text("name: tiny\n")
+    (export / "model.safetensors").write_bytes(b"")
+    older, newest = rundir.runs("tiny")  # not the export: it is no run
     code, out, err = train(capsys, "--resume", "name=tiny", "train.epochs=3")
     assert code == 0, err
     assert f"resumed from {here / newest}/checkpoints/step-000000006" in out

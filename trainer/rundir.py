@@ -66,17 +66,19 @@ def new_folder(name: str, *, claim: bool, now: float | None = None) -> str:
 
 
 def runs(name: str) -> list[str]:
-    """The run folders of runs/<name>/ (those holding config.yaml), oldest first."""
+    """The run folders of runs/<name>/ (those holding config.yaml beside run.json or
+    metrics.jsonl: an export holds a config.yaml too), oldest first."""
     root = runs_of(name)
     try:
         entries = sorted(os.listdir(root))
     except OSError:
         return []
-    return [
-        os.path.join(root, e)
-        for e in entries
-        if os.path.isfile(os.path.join(root, e, "config.yaml"))
-    ]
+    return [os.path.join(root, e) for e in entries if _is_run(os.path.join(root, e))]
+
+
+def _is_run(folder: str) -> bool:
+    has = lambda name: os.path.isfile(os.path.join(folder, name))  # noqa: E731
+    return has("config.yaml") and (has("run.json") or has("metrics.jsonl"))
 
 
 def newest(name: str) -> str:
