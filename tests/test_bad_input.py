@@ -377,6 +377,8 @@ def export_cases(folder) -> list[Case]:
         with open(os.path.join(run, name), "w") as f:
             f.write("name: somerun\n" if name == "config.yaml" else "")
     new, missing = os.path.join(folder, "new-out"), os.path.join(folder, "missing.pt")
+    with open(os.path.join(folder, "a-file"), "w") as f:
+        f.write("not an export")
     return [
         Case("export order", ("export", missing), f"export {missing}: no such"),
         Case("export order", ("export", "/nonexistent/path"), "export /nonexistent/path: no such"),
@@ -387,7 +389,8 @@ def export_cases(folder) -> list[Case]:
         Case("export order", ("export", src, new, run), "trainer export SRC -o OUT"),
         Case("export order", ("export", "-o", new), "src"),
         Case("export order", ("export", src, "-o", run), "other files"),
-        Case("export order", ("export", src, "-o", src), "is a file"),
+        Case("export order", ("export", src, "-o", src), "is the source itself"),
+        Case("export order", ("export", src, "-o", os.path.join(folder, "a-file")), "is a file"),
         Case("export order", ("export", src, "-o", "/nonexistent/out"), "/nonexistent"),
     ]
 
