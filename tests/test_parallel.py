@@ -322,6 +322,7 @@ def test_pipeline_gives_one_process_bits_and_resumes_under_another_layout(one_pr
     assert all(torch.equal(weights(forth)[k], reference[k]) for k in reference)
 
 
+@pytest.mark.mesh
 @pytest.mark.slow
 def test_a_frozen_tied_embedding_trains_under_a_pipeline_as_in_one_process(tmp_path):
     """optim.freeze='tok.*' freezes the GPT's embedding and so its tied head: under pp=2 the two
