@@ -73,3 +73,22 @@ def test_a_gpt2_folder_fine_tunes_and_exports_back_to_transformers(tmp_path):
         start = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
         moved = (start(_ids()).logits - theirs(_ids()).logits).abs().max().item()
     assert diff < TOLERANCE and moved > 100 * TOLERANCE  # it trained, and it went back exactly
+
+
+def test_trainer_eval_of_a_gpt2_folder_evaluates_the_converted_starting_weights(tmp_path, capsys):
+    """Checking an import before training (issue 56 item 9): `trainer eval HF_FOLDER` with the
+    GPT's settings converts the folder as ckpt.init_weights would, and its metrics are those of
+    the same weights converted by hand and saved under our names."""
+    from safetensors.torch import save_file
+
+    from trainer import hf
+
+    model = _hf_gpt2(tmp_path / "hf")
+    ours = hf.from_gpt2({k: v.contiguous() for k, v in model.state_dict().items()})
+    save_file({k: v.clone() for k, v in ours.items()}, tmp_path / "ours.safetensors")
+    results = []
+    for src in (tmp_path / "hf", tmp_path / "ours.safetensors"):
+        capsys.readouterr()
+        assert main(["eval", str(src), *GPT]) == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0] == results[1] and results[0]["count"] > 0

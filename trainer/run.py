@@ -7,13 +7,27 @@ Run it returns is complete (nothing sets its fields afterwards). The functions t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from trainer import data, deferred, lora, models, optim, params, perf, ranks, repro, sampler, tasks
+from trainer import (
+    data,
+    deferred,
+    hf,
+    lora,
+    models,
+    optim,
+    params,
+    perf,
+    ranks,
+    repro,
+    sampler,
+    tasks,
+)
 from trainer.checkpoint.init import load_init
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.resume import Resume
@@ -376,8 +390,24 @@ def evaluate_saved(cfg: Config, src: str) -> dict:
     world = ranks.from_process(cfg.dist.device, cfg.dist.backend, os.environ)
     with ranks.process_group(world, cfg.dist.timeout_s):
         spec, task, model = inputs(cfg, "cpu", Plugins())  # batches go to the model's device
-        load_weights_into(model, src, model_cfg=cfg.model)
+        if _as_starting_weights(cfg, src):  # matched as ckpt.init_weights would be, strictly
+            ckpt = dataclasses.replace(cfg.ckpt, init_weights=src, init_strict=True)
+            load_init(model, ckpt, cfg.model)
+        else:
+            load_weights_into(model, src, model_cfg=cfg.model)
         return evaluate(model.to(world.device), spec, task, world, cfg.data.eval_batch_size)
+
+
+def _as_starting_weights(cfg: Config, src: str) -> bool:
+    """`trainer eval` of weights that are not a run's: a Hugging Face folder (its config.json
+    beside the weights), or any source with ckpt.init_convert=hf_gpt2, ckpt.init_rename or
+    ckpt.init_exclude given: evaluated as a run would start from them (the import checked
+    before any training), through ckpt.init_*'s conversion, renames and exclusions."""
+    ckpt = cfg.ckpt
+    hf_folder = os.path.isfile(os.path.join(src, "config.json")) and hf.is_folder(src)
+    return (
+        hf_folder or ckpt.init_convert == "hf_gpt2" or bool(ckpt.init_rename or ckpt.init_exclude)
+    )
 
 
 def _model(cfg: Config, spec: data.DataSpec, given) -> torch.nn.Module:
