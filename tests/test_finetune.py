@@ -11,6 +11,7 @@ import zipfile
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -276,7 +277,10 @@ def test_lora_trains_only_adapters_checkpoints_them_and_merges(tmp_path, capsys)
     lora = [f"ckpt.init_weights={tmp_path / 'base.safetensors'}", "optim.lora_targets=1"]
     lora += ["optim.lora_also_train=3.*", "optim.lora_rank=2", "optim.lr=0.05"]
     run = tmp_path / "lora"
+    capsys.readouterr()
     helpers.train_here("train", *TINY, f"run_dir={run}", *lora, "train.max_steps=2")
+    out = capsys.readouterr().out  # the base's load table, as a full or frozen run prints it
+    assert "(the base beneath LoRA's adapters)" in out and "loaded                4" in out, out
     helpers.train_here("train", *TINY, f"run_dir={run}", *lora)  # resumes: the base reloads
     saved = helpers.weights(run)
     assert sorted(saved) == [
@@ -289,6 +293,8 @@ def test_lora_trains_only_adapters_checkpoints_them_and_merges(tmp_path, capsys)
     assert main(["export", str(run), "-o", str(tmp_path / "merged"), "--merge"]) == 0
     merged = helpers.tiny_model(3, (1, 4, 4))
     merged.load_state_dict(load_file(tmp_path / "merged" / "model.safetensors"))  # plain names
+    merged_cfg = yaml.safe_load((tmp_path / "merged" / "config.yaml").read_text())
+    assert merged_cfg["optim"]["lora_targets"] == "" and merged_cfg["optim"]["lr"] == 0.05
     delta = saved["1.lora_B.default.weight"] @ saved["1.lora_A.default.weight"] * (16.0 / 2)
     assert torch.allclose(merged[1].weight, base[1].weight + delta, atol=1e-6)
     assert torch.equal(merged[3].weight, saved["3.weight"])

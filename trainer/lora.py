@@ -59,10 +59,11 @@ def inject(cfg, model: nn.Module, ckpt=None) -> nn.Module:
     """Base weights (ckpt.init_weights) loaded, adapters injected, the rest frozen, and the
     state_dict narrowed to what trains."""
     peft = _peft()
+    report = None
     if ckpt is not None and ckpt.init_weights:
         from trainer.checkpoint.init import load_init
 
-        load_init(model, ckpt)
+        report = load_init(model, ckpt)
     targets = target_names(model, cfg.lora_targets)
     config = peft.LoraConfig(
         r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets
@@ -83,7 +84,13 @@ def inject(cfg, model: nn.Module, ckpt=None) -> nn.Module:
         model.register_state_dict_post_hook(_only(trained)),
         model.register_load_state_dict_post_hook(_forgive(trained)),
     ]
+    model._lora_base = report  # base_report(): what a fresh run prints of its base weights
     return model
+
+
+def base_report(model: nn.Module):
+    """The InitReport of the base weights inject() loaded beneath the adapters, or None."""
+    return getattr(model, "_lora_base", None)
 
 
 def _base_name(name: str) -> str:

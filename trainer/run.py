@@ -221,6 +221,7 @@ def build(
     model, later, whole_why = _built(cfg, spec, plugins, world.device, _defers(cfg, dims, plugins))
     flops, peak = _flops(cfg, world, spec, task, model)
     model = lora.prepare(cfg.optim, model, cfg.ckpt)  # what trains
+    lora_base = lora.base_report(model)  # the base weights LoRA loaded beneath its adapters
     per_epoch = len(epoch_plan(cfg, len(spec.train), 0))
     total = total_steps(cfg.train, per_epoch)
     if cfg.repro.world_invariant:  # the whole model, before a pipeline splits it
@@ -251,7 +252,7 @@ def build(
     ckpt = Checkpointer(cfg, world, state, log)
     resumed = ckpt.restore()
     if resumed is None:
-        _fresh_start(cfg, state, log)
+        _fresh_start(cfg, state, log, lora_base)
     hosts = ranks.gather_objects((world.node_rank, repro.hostname()))
     return Run(
         cfg=cfg, world=world, mesh=mesh, parts=parts, data=spec, task=task, step=step,
@@ -361,9 +362,12 @@ def _train_step(
     )
 
 
-def _fresh_start(cfg: Config, parts: Parts, log: RunLogger) -> None:
-    """No checkpoint to resume: ckpt.init_weights if set (matched by ckpt.init_*), then each
-    rank's own RNG stream."""
+def _fresh_start(cfg: Config, parts: Parts, log: RunLogger, lora_base=None) -> None:
+    """No checkpoint to resume: ckpt.init_weights if set (matched by ckpt.init_*; LoRA's were
+    loaded beneath its adapters, `lora_base` their report), then each rank's own RNG stream."""
+    if lora_base is not None:
+        log.info(f"initial weights from {cfg.ckpt.init_weights} (the base beneath LoRA's adapters)")
+        log.info(lora_base.table())
     if cfg.ckpt.init_weights and not cfg.optim.lora_targets:  # LoRA: loaded beneath the adapters
         laid = parts.model.parts  # the model as this rank holds it
         report = load_init(

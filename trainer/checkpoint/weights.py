@@ -352,11 +352,33 @@ def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) ->
             if hf_config:
                 with open(os.path.join(tmp, "config.json"), "w") as f:
                     json.dump(hf_config, f, indent=2)
-            if config:
+            if config and merged:  # a whole model now: its config names no adapters
+                with open(os.path.join(tmp, "config.yaml"), "w", encoding="utf-8") as f:
+                    f.write(_without_lora(config))
+            elif config:
                 shutil.copyfile(config, os.path.join(tmp, "config.yaml"))
     except OSError as e:
         raise io_error(e, f"export -o {out}", "name a directory on writable storage") from None
     return os.path.join(out, "model.safetensors")
+
+
+def _without_lora(config_path: str) -> str:
+    """A LoRA run's config.yaml for its merged weights: optim.lora_* back to their defaults (the
+    adapters are in the weights), the rest as the run had it."""
+    import dataclasses
+
+    from trainer import config
+
+    cfg = config.load(config_path, [])
+    defaults = config.OptimConfig()
+    optim = dataclasses.replace(
+        cfg.optim,
+        lora_targets=defaults.lora_targets,
+        lora_also_train=defaults.lora_also_train,
+        lora_rank=defaults.lora_rank,
+        lora_alpha=defaults.lora_alpha,
+    )
+    return config.to_yaml(dataclasses.replace(cfg, optim=optim))
 
 
 def _sharded_checkpoint(src: str) -> str | None:
