@@ -244,7 +244,12 @@ def files(tmp_path_factory) -> Path:
     def twice(state):
         return {**state, "wte.weight": state["transformer.wte.weight"].clone()}
 
+    def vocab(state):  # a tokenizer's 300 ids where the data has VOCAB
+        wte = state["transformer.wte.weight"]
+        return {**state, "transformer.wte.weight": torch.cat([wte, wte[: 300 - len(wte)]])}
+
     _gpt2(root / "gpt2-cut", edit=cut)
+    _gpt2(root / "gpt2-vocab", edit=vocab)
     _gpt2(root / "gpt2-ints", edit=ints)
     _gpt2(root / "gpt2-twice", edit=twice)
     # pickles that would run code if loaded (a folder made), and files that are no state dict
@@ -356,6 +361,8 @@ def _cases(root: Path, good: Path) -> list[WingCase]:
     # names that match, shapes that do not: the real cause, under the user's key too
     names = "blocks.1.fc.bias (the file's transformer.h.1.mlp.c_fc.bias) has shape (4,) there"
     add("shape: converted", [*gpt2, init(root / "gpt2-cut")], names)
+    names = "the vocabulary (300 tokens there, 256 here) is the data's, not a model.gpt.* setting"
+    add("shape: vocabulary", [*gpt2, init(root / "gpt2-vocab")], names)
     names = "every name that matches differs in shape (1.weight has shape (16, 16) there"
     add(
         "shape: every one",

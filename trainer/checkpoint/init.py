@@ -242,15 +242,29 @@ def load_init(model: nn.Module, cfg, model_cfg=None, *, shapes=None, dtypes=None
     return report
 
 
+def _vocabulary(model_cfg, key: str, there: tuple, here: tuple) -> bool:
+    """The GPT's token embedding or head differing only in its rows: the vocabulary, which the
+    data sets (not model.gpt.*)."""
+    gpt = model_cfg is not None and getattr(model_cfg, "name", None) == "gpt"
+    rows_only = len(there) == len(here) == 2 and there[1] == here[1] and there[0] != here[0]
+    return gpt and key in ("tok.weight", "head.weight") and rows_only
+
+
 def _strict(source: Source, report: InitReport, excluded_here: list[str], model_cfg) -> None:
     """ckpt.init_strict=true: only excluded model tensors may stay fresh; one line otherwise."""
     path = source.path
     if report.mismatched:
         key, there, here = report.mismatched[0]
+        hint = config_hint(path, model_cfg)
+        if _vocabulary(model_cfg, key, there, here):
+            hint = (
+                f"the vocabulary ({there[0]} tokens there, {here[0]} here) is the data's, not a "
+                "model.gpt.* setting: train on data tokenized as the weights were (data.name="
+                "tokens with that tokenizer's ids; data.name=text reads bytes, 256 tokens)"
+            )
         raise UsageError(
             f"{path}: {source.named(key)} has shape {there} there, {here} here: "
-            f"{config_hint(path, model_cfg)}, or add it to ckpt.init_exclude (a new head) or set "
-            "ckpt.init_strict=false"
+            f"{hint}, or add it to ckpt.init_exclude (a new head) or set ckpt.init_strict=false"
         )
     missing = [k for k in report.missing if k not in excluded_here]
     if missing or report.unexpected:
