@@ -422,3 +422,22 @@ def test_a_lora_run_resumes_only_on_the_same_base_weights():
     assert config_conflicts(saved, moved) == [
         "ckpt.init_weights: 'a.safetensors' -> 'b.safetensors'"
     ]
+
+
+def test_trainer_eval_of_a_fine_tuned_run_evaluates_its_trained_weights(tmp_path, capsys):
+    """A run started from other weights with a new head (ckpt.init_exclude) keeps those keys in
+    its config.yaml: `trainer eval RUN` must load the run's own trained head, not start from
+    the source again with the head fresh."""
+    import json
+
+    from trainer.cli import main
+
+    torch.manual_seed(3)
+    save_file(helpers.tiny_model(3, (1, 4, 4)).state_dict(), tmp_path / "base.safetensors")
+    run = tmp_path / "run"
+    args = [f"ckpt.init_weights={tmp_path / 'base.safetensors'}", "ckpt.init_exclude=3.*"]
+    summary = helpers.train_here("train", *TINY, f"run_dir={run}", *args, "train.max_steps=3")
+    capsys.readouterr()
+    assert main(["eval", str(run), *TINY]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert got["loss"] == pytest.approx(summary["eval"]["loss"], rel=1e-6)

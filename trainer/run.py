@@ -31,7 +31,7 @@ from trainer import (
 from trainer.checkpoint.init import load_init
 from trainer.checkpoint.manager import Checkpointer
 from trainer.checkpoint.resume import Resume
-from trainer.checkpoint.weights import load_weights_into
+from trainer.checkpoint.weights import find_config, load_weights_into
 from trainer.config import Config, TrainConfig
 from trainer.diagnostics import ForwardTimer, Stragglers, Watchdog, Where
 from trainer.errors import ConfigError, UsageError
@@ -403,10 +403,13 @@ def evaluate_saved(cfg: Config, src: str) -> dict:
 
 
 def _as_starting_weights(cfg: Config, src: str) -> bool:
-    """`trainer eval` of weights that are not a run's: a Hugging Face folder (its config.json
-    beside the weights), or any source with ckpt.init_convert=hf_gpt2, ckpt.init_rename or
-    ckpt.init_exclude given: evaluated as a run would start from them (the import checked
-    before any training), through ckpt.init_*'s conversion, renames and exclusions."""
+    """`trainer eval` of weights that are not a run's (no config.yaml beside them, as a run, a
+    checkpoint and an export have): a Hugging Face folder (its config.json beside the weights),
+    or any such source with ckpt.init_convert=hf_gpt2, ckpt.init_rename or ckpt.init_exclude
+    given, is evaluated as a run would start from it (the import checked before any training).
+    A run's own weights load as they are, whatever its saved ckpt.init_* said."""
+    if find_config(src) is not None:
+        return False
     ckpt = cfg.ckpt
     hf_folder = os.path.isfile(os.path.join(src, "config.json")) and hf.is_folder(src)
     return (
