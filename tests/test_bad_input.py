@@ -1061,8 +1061,7 @@ def test_a_diverging_run_stops_with_exit_2_and_keeps_the_good_checkpoints(
 def test_trainer_launch_refuses_a_folder_it_cannot_write_before_torchrun(tmp_path, key):
     """Every node checks the run folder (and a local ckpt.dir) before torchrun starts: on Slurm a
     read-only one was found by a rank ~30 s in, after the rendezvous, and the other node's
-    torchrun printed C++ frames and a RendezvousConnectionError (issue 56 item 1). The probe
-    leaves nothing behind."""
+    torchrun printed C++ frames and a RendezvousConnectionError (issue 56 item 1)."""
     (tmp_path / "a-file").write_text("")
     bad = tmp_path / "a-file" / "run"  # unwritable for everyone, root included
     args = [f"{key}={bad}"] + ([f"run_dir={tmp_path}/run"] if key == "ckpt.dir" else [])
@@ -1079,7 +1078,29 @@ def test_trainer_launch_refuses_a_folder_it_cannot_write_before_torchrun(tmp_pat
     assert line.startswith(f"trainer-launch: error: {key} {bad} is not writable on this node")
     assert line.endswith(f"point {key} at writable storage")
     assert "trainer-launch: torchrun" not in p.stderr  # no torchrun started
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+    assert (tmp_path / "a-file").read_text() == ""  # the file in the way is left as it was
+
+
+def test_launchers_probing_one_new_folder_at_once_all_find_it_writable(tmp_path):
+    """Every node's trainer-launch probes the run folder, on a shared filesystem at the same
+    moment: a probe that removed the folders it made failed the others' (EEXIST/ENOENT)."""
+    import threading
+
+    from trainer import rundir
+
+    for trial in range(20):
+        folder, errors = str(tmp_path / f"t{trial}" / "runs" / "name"), []
+
+        def probe(folder=folder, errors=errors):
+            errors.append(rundir.probe_folder(folder, keep_folders=True))
+
+        probes = [threading.Thread(target=probe) for _ in range(8)]
+        for t in probes:
+            t.start()
+        for t in probes:
+            t.join()
+        assert errors == [None] * 8, errors
+        assert os.listdir(folder) == []  # the probe files are gone
 
 
 def test_trainer_launch_ends_with_the_ranks_one_line_once(tmp_path):

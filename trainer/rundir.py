@@ -104,12 +104,14 @@ def _attempt_of(name: str, run_id: str) -> str | None:
     return None
 
 
-def probe_folder(folder: str) -> OSError | None:
-    """Create `folder` (with its parents) and a file in it, then remove what this made, leaving
-    nothing behind: the OSError a run writing there would meet, or None."""
+def probe_folder(folder: str, *, keep_folders: bool = False) -> OSError | None:
+    """Create `folder` (with its parents) and a file in it, then remove the file and, unless
+    `keep_folders`, the folders this made: the OSError a run writing there would meet, or None.
+    Probes that may run at once on one folder (every node's launcher, on a shared filesystem)
+    keep the folders: one probe's rmdir under another's mkstemp failed it (EEXIST, ENOENT)."""
     created = []  # the folders made here, removed again (deepest first)
     at = folder
-    while not os.path.lexists(at) and os.path.dirname(at) != at:
+    while not keep_folders and not os.path.lexists(at) and os.path.dirname(at) != at:
         created.append(at)
         at = os.path.dirname(at)
     try:
