@@ -378,6 +378,20 @@ def test_an_export_never_writes_into_a_run_nor_over_what_it_did_not_write(good, 
     assert sorted(os.listdir(world / "downloaded")) == ["config.json", "model.safetensors"]
 
 
+def test_a_project_folder_with_a_config_and_checkpoints_is_no_run(tmp_path, good):
+    """A project's root may hold a config.yaml and a checkpoints/ folder of its own: a run is a
+    folder with what only `trainer train` writes there (rundir.is_run), so an export below such
+    a root goes ahead (found in review: any ancestor with those two refused it)."""
+    from trainer.checkpoint.weights import export
+
+    project = tmp_path / "project"
+    (project / "checkpoints").mkdir(parents=True)
+    (project / "config.yaml").write_text("name: mine\n")
+    out = project / "exports" / "mine"
+    out.parent.mkdir()
+    assert export(str(good), str(out)) == str(out / "model.safetensors")
+
+
 def test_a_runs_own_export_folder_is_the_default_and_may_be_replaced(tmp_path, good):
     """`trainer export RUN` writes RUN/export (the one folder inside a run an export may
     write), and again over its own earlier export; the run's own files stay as they were."""

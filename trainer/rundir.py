@@ -66,19 +66,25 @@ def new_folder(name: str, *, claim: bool, now: float | None = None) -> str:
 
 
 def runs(name: str) -> list[str]:
-    """The run folders of runs/<name>/ (those holding config.yaml beside run.json or
-    metrics.jsonl: an export holds a config.yaml too), oldest first."""
+    """The run folders of runs/<name>/ (is_run: an export holds a config.yaml too), oldest
+    first."""
     root = runs_of(name)
     try:
         entries = sorted(os.listdir(root))
     except OSError:
         return []
-    return [os.path.join(root, e) for e in entries if _is_run(os.path.join(root, e))]
+    return [os.path.join(root, e) for e in entries if is_run(os.path.join(root, e))]
 
 
-def _is_run(folder: str) -> bool:
-    has = lambda name: os.path.isfile(os.path.join(folder, name))  # noqa: E731
-    return has("config.yaml") and (has("run.json") or has("metrics.jsonl"))
+RUN_MARKS = ("run.json", "metrics.jsonl", "summary.json", ".job.lock")
+"""Beside config.yaml, what only `trainer train` writes in a run folder (an export, a Hugging
+Face download or a project folder may hold a config.yaml, checkpoints/ or final/ too)."""
+
+
+def is_run(folder: str) -> bool:
+    """Whether `folder` is a run folder: config.yaml and one of RUN_MARKS."""
+    has = lambda name: os.path.lexists(os.path.join(folder, name))  # noqa: E731
+    return os.path.isfile(os.path.join(folder, "config.yaml")) and any(map(has, RUN_MARKS))
 
 
 def newest(name: str) -> str:

@@ -16,7 +16,7 @@ import stat
 import torch
 from torch import nn
 
-from trainer import hf, storage
+from trainer import hf, rundir, storage
 from trainer.checkpoint import store
 from trainer.checkpoint.streamed import StreamWriter
 from trainer.errors import UsageError, io_error, shorten
@@ -605,10 +605,6 @@ def _safetensors_header(path: str) -> dict | None:
     return header if isinstance(header, dict) else None
 
 
-RUN_MARKS = ("metrics.jsonl", "run.json", "summary.json", ".job.lock", "checkpoints", "final")
-"""Beside config.yaml, what makes a folder a run's (what `trainer train` writes there)."""
-
-
 def _owner(path: str) -> tuple[str, str] | None:
     """(folder, what) of the run folder, else the checkpoint, that `path` is or lies inside
     (where it really is, links resolved), the innermost; None when it is in neither."""
@@ -618,9 +614,7 @@ def _owner(path: str) -> tuple[str, str] | None:
     while True:
         if checkpoint is None and os.path.isfile(os.path.join(here, MANIFEST)):
             checkpoint = here  # a checkpoint of a run is named by its run
-        if os.path.isfile(os.path.join(here, "config.yaml")) and any(
-            os.path.lexists(os.path.join(here, mark)) for mark in RUN_MARKS
-        ):
+        if rundir.is_run(here):
             return here, "run folder"
         parent = os.path.dirname(here)
         if parent == here:
