@@ -127,7 +127,8 @@ def _add_export_command(sub) -> None:
         "-o",
         "--out",
         help="output directory or s3:// prefix, never inside a run but RUN/export (default: "
-        "SRC/export, or FILE-export; for an s3:// SRC, ./NAME-export)",
+        "RUN/export for a run directory, SRC-export beside any other source; for an s3:// SRC, "
+        "./NAME-export)",
     )
     p.add_argument(
         "--format",

@@ -328,9 +328,11 @@ def export(src: str, out: str | None = None, fmt: str = "plain", merged=None) ->
             )
         )
     default = out is None
-    if out is None:
+    if out is None:  # RUN/export for a run; beside any other source, never inside it
         out = (
             os.path.join(src, "export")
+            if rundir.is_run(src)
+            else os.path.normpath(src) + "-export"
             if os.path.isdir(src)
             else os.path.splitext(src)[0] + "-export"
         )
