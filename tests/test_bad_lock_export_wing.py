@@ -390,6 +390,10 @@ def test_a_project_folder_with_a_config_and_checkpoints_is_no_run(tmp_path, good
     out = project / "exports" / "mine"
     out.parent.mkdir()
     assert export(str(good), str(out)) == str(out / "model.safetensors")
+    # a folder that is no run (a download) exports beside itself by default, not inside
+    shutil.copytree(out, tmp_path / "download")
+    got = export(str(tmp_path / "download"))
+    assert got == str(tmp_path / "download-export" / "model.safetensors")
 
 
 def test_a_runs_own_export_folder_is_the_default_and_may_be_replaced(tmp_path, good):
