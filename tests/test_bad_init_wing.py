@@ -181,6 +181,12 @@ SIZES = {
     "n_embd=64 in the folder": ({"n_embd": 64}, (), "n_embd=64, but model.gpt.width=32"),
     "seq_len over n_positions": ({}, ("data.text.seq_len=64",), "n_positions=32"),
     "n_positions=16 in the folder": ({"n_positions": 16}, (), "set data.text.seq_len to at most"),
+    # no model_type nor architectures: the sizes are compared all the same (a TypeError once)
+    "n_positions text, no model_type": (
+        {"model_type": None, "architectures": None, "n_positions": "64"},
+        (),
+        "n_positions is '64', not a positive whole number",
+    ),
 }
 
 BAD_DTYPES = [torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]

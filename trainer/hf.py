@@ -291,6 +291,11 @@ def check_sizes(path: str, config: dict, ours: dict[str, tuple[str, int | None]]
         theirs = config.get(key)
         if value is None or theirs is None:
             continue
+        if isinstance(theirs, bool) or not isinstance(theirs, int) or theirs < 1:
+            raise UsageError(
+                f"{path}: {key} is {shorten(repr(theirs))}, not a positive whole number: fix "
+                "the folder's config.json (a GPT-2's sizes are numbers, e.g. \"n_head\": 12)"
+            )
         if key == "n_positions" and theirs < value:
             raise UsageError(
                 f"{path}: n_positions={theirs}, but the model reads sequences of {value} "
