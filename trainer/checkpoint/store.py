@@ -242,14 +242,18 @@ MANIFEST_LIMIT = 1 << 20
 def _read_regular(path: str, limit: int) -> bytes:
     """A regular file's bytes, opened without following a link or blocking (a FIFO or a device
     where the manifest belongs would hang a plain open or read forever): OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise OSError(errno.EINVAL, "not a regular file", path)
-        data = os.read(fd, limit + 1)
-        if len(data) > limit:
-            raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", path)
-        return data
+        chunks, size = [], 0
+        while chunk := os.read(fd, limit + 1 - size):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", path)
+        return b"".join(chunks)
     finally:
         os.close(fd)
 

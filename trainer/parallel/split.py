@@ -154,8 +154,12 @@ def stage_forward(model: nn.Module, stage: int, n: int) -> Iterator[None]:
     try:
         yield
     except (TypeError, AttributeError) as e:
-        if "'NoneType' object" not in str(e):
-            raise
+        text = str(e)
+        called = "'NoneType' object is not callable" in text
+        reached = "'NoneType' object has no attribute" in text
+        holds_none = any(m is None for m in model._modules.values())
+        if not (holds_none and (called or reached)):
+            raise  # another bug of the model's: its own traceback
         raise UsageError(
             f"{type(model).__name__}'s forward uses a submodule that pipeline stage {stage} of "
             f"{n} does not hold ({shorten(first_line(e), 120)}): a stage holds its layers and "
