@@ -80,9 +80,16 @@ def _run_bounded(case: WingCase) -> Outcome | None:
     """The outcome, or None if it did not end within case.timeout (the thread is left behind: a
     daemon, so the session still ends; the failure names the hang)."""
     box: list[Outcome] = []
+    saved = {k: os.environ.get(k) for k, _ in case.env}
     t = threading.Thread(target=lambda: box.append(_run(case)), daemon=True)
     t.start()
     t.join(case.timeout)
+    if not box:  # the hung case keeps running: its environment must not leak into the next
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return box[0] if box else None
 
 

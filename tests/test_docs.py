@@ -281,16 +281,9 @@ _ENTRY = re.compile(
     r"(?:^|\s)(?:trainer train|-m trainer train|slurm/\S+\.sbatch|trainer-launch)(?=\s|$)"
 )
 _PLACEHOLDERS = (
-    "...",
-    "…",
-    "NAME",
-    "PATH",
-    "path/to",
-    "[",
-    "my.yaml",
-    "runs/local-",
+    "...", "…", " NAME", "=NAME", "PATH", "path/to", "[k=v", "[--", "my.yaml", "runs/local-",
     "runs/digits",
-)
+)  # fmt: skip
 """A command holding one of these is a pattern, not a command (`--config NAME`, `[k=v ...]`) or
 names a run folder of the reader's own (`--config runs/...`)."""
 

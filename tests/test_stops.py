@@ -50,6 +50,13 @@ PP = [
 ]
 
 
+def _rank_of(pid: int) -> int:
+    """A worker's RANK, from its environment (pids need not follow the ranks)."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
+    return int(env[b"RANK"])
+
+
 def _same(run, reference) -> None:
     assert train_losses(run) == train_losses(reference)
     got, want = weights(run), weights(reference)
@@ -74,7 +81,8 @@ def test_sigterm_to_one_pipeline_rank_saves_both_stages_and_resumes_to_the_same_
     workers = children(proc.pid)
     assert len(workers) == 2, workers
     wait_for(lambda: len(read_jsonl(metrics)) >= 3, 120, "3 steps", proc)
-    os.kill(max(workers), signal.SIGTERM)
+    (last_stage,) = [pid for pid in workers if _rank_of(pid) == 1]
+    os.kill(last_stage, signal.SIGTERM)
     out, _ = proc.communicate(timeout=120)
     assert "stopped by SIGTERM" in out, out[-3000:]  # (a bare torchrun adds its own report)
     assert {f.read_text().strip() for f in status.glob("*.exit")} == {"3"}, out[-3000:]
