@@ -37,9 +37,8 @@ from tests.helpers import (
     wait_for,
 )
 from trainer import config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, redact
 from trainer.tracking import check
-from trainer.tracking.mlflow_rest import redact
 from trainer.tracking.sender import Sender, Sink, already_sent, metrics_of, sent_after
 from trainer.tracking.tracker import params
 

@@ -117,3 +117,16 @@ def io_error(e: OSError, what: str, fix: str) -> TrainerError:
     if is_permanent_io(e):
         return UsageError(f"{what}: {reason}{where}: {fix}")
     return RetryableError(f"{what}: {reason}{where}; a retry may succeed once that clears")
+
+
+def redact(uri: str) -> str:
+    """The URI without user:password@ (safe to print, or to keep in a config.yaml)."""
+    import urllib.parse
+
+    try:
+        parts = urllib.parse.urlsplit(uri)
+    except ValueError:  # an unclosed '[' (IPv6): no parts to redact by
+        return uri.rpartition("@")[2] if "@" in uri else uri
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))

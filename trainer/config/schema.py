@@ -22,7 +22,7 @@ from trainer.config.ranges import (
     SAMPLES,
     path_problem,
 )
-from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean, shorten
+from trainer.errors import ConfigError, UsageError, check_choice, did_you_mean, redact, shorten
 from trainer.parallel.layout import DIMS, SCHEDULES
 
 DEFAULT_PRESET = "digits-mlp"
@@ -597,17 +597,6 @@ class MLflowConfig:
 
 TRACKING_SCHEMES = ("http", "https")
 """What log.mlflow.uri may be: a tracking server (a file or database store is served first)."""
-
-
-def redact(uri: str) -> str:
-    """The URI without user:password@ (safe to print)."""
-    try:
-        parts = urllib.parse.urlsplit(uri)
-    except ValueError:  # an unclosed '[' (IPv6): no parts to redact by
-        return uri.rpartition("@")[2] if "@" in uri else uri
-    if "@" not in parts.netloc:
-        return uri
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def check_tracking_uri(key: str, uri: str) -> None:

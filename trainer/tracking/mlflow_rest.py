@@ -20,6 +20,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from trainer.errors import redact
 from trainer.tracking.sender import Sink, metrics_of, read_state, write_state
 
 TIMEOUT_S = 10.0
@@ -35,14 +36,6 @@ class ServerError(Exception):
         self.permanent = status == 0 or (400 <= status < 500 and status not in (401, 403, 408, 429))
         """The request itself is at fault: sending it again cannot help (a bad token may be
         replaced, a rate limit passes)."""
-
-
-def redact(uri: str) -> str:
-    """The URI without user:password@ (safe to print)."""
-    parts = urllib.parse.urlsplit(uri)
-    if "@" not in parts.netloc:
-        return uri
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 class Client:
