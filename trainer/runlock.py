@@ -13,7 +13,7 @@ same way: the newcomer links the dead lock to a tombstone named after that very 
 and time), which only one newcomer can create, and only that one replaces the lock (by rename).
 A tombstone is removed with the lock it stood for.
 
-A lock a job left behind never blocks the next one; the holder is gone when:
+A well-formed lock a job left behind never blocks the next one; the holder is gone when:
 
 - it is the same job: a torchrun restart (--max-restarts) has the same TORCHELASTIC_RUN_ID;
 - it ran on this machine (same boot, same pid namespace) and its pid is dead, or is another
@@ -25,7 +25,10 @@ Anything else where the lock belongs (a directory, a FIFO, a link, a socket, a f
 be read, is not JSON or holds a record with a field missing or of the wrong type) names no
 holder, so it is neither taken over nor read as no lock: one line (BadLock) naming the file and
 the fix, exit 2. The lock is looked at before it is read (lstat, an open that neither blocks nor
-follows a link, at most MAX_BYTES read), so nothing put there can hang the job.
+follows a link, at most MAX_BYTES read), so nothing put there can hang the job. A job's own
+record is whole on disk (written beside the lock, then linked or renamed into place); only a
+machine that crashed before its page cache reached the disk could leave one empty, and then the
+next job stops with that line rather than guess who held the folder.
 """
 
 from __future__ import annotations
