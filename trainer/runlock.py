@@ -26,9 +26,11 @@ be read, is not JSON or holds a record with a field missing or of the wrong type
 holder, so it is neither taken over nor read as no lock: one line (BadLock) naming the file and
 the fix, exit 2. The lock is looked at before it is read (lstat, an open that neither blocks nor
 follows a link, at most MAX_BYTES read), so nothing put there can hang the job. A job's own
-record is whole on disk (written beside the lock, then linked or renamed into place); only a
-machine that crashed before its page cache reached the disk could leave one empty, and then the
-next job stops with that line rather than guess who held the folder.
+record is written beside the lock, then linked or renamed into place (on storage without hard
+links it is created, then written: a newcomer gives a lock under 2 s old a second to be
+written). A job killed while creating it there, or a machine that crashed before its page cache
+reached the disk, can leave an empty lock; the next job then stops with that line rather than
+guess who held the folder.
 """
 
 from __future__ import annotations
