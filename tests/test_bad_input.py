@@ -1083,7 +1083,8 @@ def test_trainer_launch_refuses_a_folder_it_cannot_write_before_torchrun(tmp_pat
 
 def test_launchers_probing_one_new_folder_at_once_all_find_it_writable(tmp_path):
     """Every node's trainer-launch probes the run folder, on a shared filesystem at the same
-    moment: a probe that removed the folders it made failed the others' (EEXIST/ENOENT)."""
+    moment: a probe that removed the folders it made failed the others' (EEXIST/ENOENT). Each
+    probe makes only a file of its own in the nearest folder that exists, and leaves nothing."""
     import threading
 
     from trainer import rundir
@@ -1092,7 +1093,7 @@ def test_launchers_probing_one_new_folder_at_once_all_find_it_writable(tmp_path)
         folder, errors = str(tmp_path / f"t{trial}" / "runs" / "name"), []
 
         def probe(folder=folder, errors=errors):
-            errors.append(rundir.probe_folder(folder, keep_folders=True))
+            errors.append(rundir.probe_nearest(folder))
 
         probes = [threading.Thread(target=probe) for _ in range(8)]
         for t in probes:
@@ -1100,7 +1101,7 @@ def test_launchers_probing_one_new_folder_at_once_all_find_it_writable(tmp_path)
         for t in probes:
             t.join()
         assert errors == [None] * 8, errors
-        assert os.listdir(folder) == []  # the probe files are gone
+        assert os.listdir(tmp_path) == []  # nothing made, the probe files gone
 
 
 def test_trainer_launch_ends_with_the_ranks_one_line_once(tmp_path):

@@ -15,6 +15,7 @@ Rank 0 decides and every rank gets the same answer.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -110,14 +111,33 @@ def _attempt_of(name: str, run_id: str) -> str | None:
     return None
 
 
-def probe_folder(folder: str, *, keep_folders: bool = False) -> OSError | None:
-    """Create `folder` (with its parents) and a file in it, then remove the file and, unless
-    `keep_folders`, the folders this made: the OSError a run writing there would meet, or None.
-    Probes that may run at once on one folder (every node's launcher, on a shared filesystem)
-    keep the folders: one probe's rmdir under another's mkstemp failed it (EEXIST, ENOENT)."""
+def probe_nearest(folder: str) -> OSError | None:
+    """Whether `folder` could be made and written, touching nothing a run would use: a file
+    created and removed in its nearest existing ancestor (which must be a directory). Probes
+    may run at once on one folder (every node's launcher, on a shared filesystem): each makes
+    only its own uniquely named file, where probe_folder's rmdir of the folders it made failed
+    another's mkstemp (EEXIST, ENOENT). The OSError a run writing there would meet, or None."""
+    at = os.path.abspath(folder)
+    while not os.path.lexists(at) and os.path.dirname(at) != at:
+        at = os.path.dirname(at)
+    try:
+        if not os.path.isdir(at):
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", at)
+        fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=at)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        return e
+    return None
+
+
+def probe_folder(folder: str) -> OSError | None:
+    """Create `folder` (with its parents) and a file in it, then remove what this made, leaving
+    nothing behind: the OSError a run writing there would meet, or None (one prober at a time:
+    rank 0's checkpointer; launchers use probe_nearest)."""
     created = []  # the folders made here, removed again (deepest first)
     at = folder
-    while not keep_folders and not os.path.lexists(at) and os.path.dirname(at) != at:
+    while not os.path.lexists(at) and os.path.dirname(at) != at:
         created.append(at)
         at = os.path.dirname(at)
     try:

@@ -402,7 +402,7 @@ def check_run_folder(cfg) -> None:
         if path and not storage.is_url(path)
     ]
     for path, key, fix in checks:
-        if (e := rundir.probe_folder(path, keep_folders=True)) is not None:
+        if (e := rundir.probe_nearest(path)) is not None:
             raise io_error(e, f"{key} {path} is not writable on this node", fix)
 
 
