@@ -1306,20 +1306,26 @@ def test_trainer_launch_on_a_node_without_its_rendezvous_exits_4_in_one_line(tmp
 
     port = free_port()  # nothing listens there: node 0 never started
     extra = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), NNODES="2", NODE_RANK="1")
+    last = _unreachable_exits_4(tmp_path, RDZV_JOIN_TIMEOUT="2", **extra)
+    assert last.startswith(
+        f"trainer-launch: error: node 1 cannot reach the rendezvous at 127.0.0.1:{port} ("
+    ), last
+
+
+def _unreachable_exits_4(tmp_path, **extra) -> str:
+    """trainer-launch of one process a node with `extra` in its environment, whose rendezvous
+    cannot be reached: exit 4, no traceback, no run folder; its last line."""
     p = subprocess.run(
         [str(BIN / "trainer-launch"), f"run_dir={tmp_path}/run"],
-        env=env(NPROC_PER_NODE="1", RDZV_JOIN_TIMEOUT="2", **extra),
+        env=env(NPROC_PER_NODE="1", **extra),
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert p.returncode == 4, p.stderr[-3000:]
-    last = p.stderr.strip().splitlines()[-1]
-    assert last.startswith(
-        f"trainer-launch: error: node 1 cannot reach the rendezvous at 127.0.0.1:{port} ("
-    ), p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "run").exists(), p.stderr
+    return p.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.slow
@@ -1330,18 +1336,8 @@ def test_trainer_launch_without_its_etcd_exits_4_in_one_line(tmp_path):
 
     port = free_port()  # no etcd listens there
     extra = dict(NNODES="1:2", RDZV_BACKEND="etcd", RDZV_ENDPOINT=f"127.0.0.1:{port}")
-    p = subprocess.run(
-        [str(BIN / "trainer-launch"), f"run_dir={tmp_path}/run"],
-        env=env(NPROC_PER_NODE="1", RDZV_ID="no-etcd", **extra),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 4, p.stderr[-3000:]
-    last = p.stderr.strip().splitlines()[-1]
+    last = _unreachable_exits_4(tmp_path, RDZV_ID="no-etcd", **extra)
     assert last.startswith(
         f"trainer-launch: error: this node cannot reach the etcd rendezvous at 127.0.0.1:{port} ("
-    ), p.stderr
+    ), last
     assert "etcd --enable-v2" in last and "RDZV_ENDPOINT" in last, last
-    assert "Traceback" not in p.stderr and not (tmp_path / "run").exists(), p.stderr

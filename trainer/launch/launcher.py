@@ -819,13 +819,18 @@ def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
             f"trainer-launch: error: {where} was closed before {node} joined (the other nodes "
             "finished or gave up): start all nodes of the job again"
         )
-    inner = failure.exceptions[0].decode("utf-8", "replace")  # the innermost cause
-    reason = inner.partition(": ")[2].strip() or inner.rpartition(".")[2]
+    reason = _innermost(failure)
     return (
         f"trainer-launch: error: {node} cannot reach {where} ({shorten(reason, 160)}): check "
         "that node 0 is running and that MASTER_ADDR and MASTER_PORT name it (a firewall or "
         "NetworkPolicy must let this node reach that port)"
     )
+
+
+def _innermost(failure: Traceback) -> str:
+    """The innermost cause's message (`ExcType: message`'s message, else the type's name)."""
+    inner = failure.exceptions[0].decode("utf-8", "replace")
+    return inner.partition(": ")[2].strip() or inner.rpartition(".")[2]
 
 
 def _etcd_error(kind: str, failure: Traceback, rendezvous: Rendezvous, node: str, where: str):
@@ -851,8 +856,7 @@ def _etcd_error(kind: str, failure: Traceback, rendezvous: Rendezvous, node: str
             f"trainer-launch: error: {where} was closed before {node} joined (the job under "
             "this RDZV_ID ended): give a new job a new RDZV_ID"
         )
-    inner = failure.exceptions[0].decode("utf-8", "replace")  # the innermost cause
-    reason = inner.partition(": ")[2].strip() or inner.rpartition(".")[2]
+    reason = _innermost(failure)
     return (
         f"trainer-launch: error: {node} cannot reach {where} ({shorten(reason, 160)}): check "
         "that etcd runs there with its v2 API (etcd --enable-v2, etcd 3.4 or 3.5) and that "
