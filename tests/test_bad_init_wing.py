@@ -299,9 +299,8 @@ def _cases(root: Path, good: Path) -> list[WingCase]:
         cases.append(WingCase(area, tuple(argv), names, runs=runs))
 
     # what is no file: a FIFO (a read would block) and a device (no end)
-    for label, path in (("a FIFO", root / "fifo.pt"), ("a device", Path("/dev/zero"))):
-        kind = label.split()[-1]
-        add(f"source: {label}", [*tiny, init(path)], f"not a regular file (a {kind})")
+    for label, path in (("a FIFO", root / "fifo.pt"), ("a character device", Path("/dev/zero"))):
+        add(f"source: {label}", [*tiny, init(path)], f"not a regular file ({label})")
 
     # shard indexes x bad forms: the folder through train, the index itself through export
     for label, (_, names) in INDEX_FORMS.items():

@@ -130,3 +130,19 @@ def redact(uri: str) -> str:
     if "@" not in parts.netloc:
         return uri
     return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
+
+
+def file_kind(mode: int, other: str = "something else") -> str:
+    """What a file of stat mode `mode` is, for a message: 'a directory', 'a FIFO', ... (`other`
+    for a kind none of these names)."""
+    import stat
+
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((what for test, what in kinds if test(mode)), other)

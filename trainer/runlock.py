@@ -48,7 +48,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 from trainer import jsonfile
-from trainer.errors import ConfigError, shorten
+from trainer.errors import ConfigError, file_kind, shorten
 
 LOCK = ".job.lock"
 BEAT_S = 5.0
@@ -150,19 +150,8 @@ class BadLock(ConfigError):
         self.ident = ident
 
 
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISLNK, "a symbolic link"),
-    (stat.S_ISSOCK, "a socket"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-)
-
-
 def _not_regular(mode: int) -> str:
-    kind = next((what for test, what in _KINDS if test(mode)), "something else")
-    return f"is not a regular file but {kind}"
+    return f"is not a regular file but {file_kind(mode)}"
 
 
 def _read(path: str) -> tuple[Holder | None, tuple[int, int] | None]:

@@ -19,7 +19,7 @@ from torch import nn
 from trainer import hf, rundir, storage
 from trainer.checkpoint import store
 from trainer.checkpoint.streamed import StreamWriter
-from trainer.errors import UsageError, io_error, shorten
+from trainer.errors import UsageError, file_kind, io_error, shorten
 from trainer.namedstate import dtype_mismatch
 from trainer.state import fit_problem, non_finite
 from trainer.strategy import unwrap
@@ -114,17 +114,11 @@ def read_source(path: str) -> tuple[dict[str, torch.Tensor], tuple[str, dict] | 
     if not os.path.isfile(path):
         if os.path.exists(path):  # a FIFO, socket or device: a read would block or never end
             raise UsageError(
-                f"{path}: not a regular file (a {_kind_of(path)}): point at a weights file, a "
-                "checkpoint or run directory, or a Hugging Face folder"
+                f"{path}: not a regular file ({_kind(os.stat(path).st_mode)}): point at a "
+                "weights file, a checkpoint or run directory, or a Hugging Face folder"
             )
         raise UsageError(f"{path}: no such weights file or directory")
     return _finite(_read_file(path), path), None
-
-
-def _kind_of(path: str) -> str:
-    mode = os.stat(path).st_mode
-    kinds = ((stat.S_ISFIFO, "FIFO"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "device"))
-    return next((name for test, name in kinds if test(mode)), "device")
 
 
 def _hf_config(folder: str) -> tuple[str, dict] | None:
@@ -538,15 +532,7 @@ def _scan(src: str, folder: str, depth: int) -> None:
 
 
 def _kind(mode: int) -> str:
-    for test, what in (
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return what
-    return "not a regular file"
+    return file_kind(mode, "not a regular file")
 
 
 def _is_export(path: str, legacy: bool = False) -> bool:
