@@ -148,17 +148,24 @@ def _run(argv: list[str]) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def _shell_commands(prefix: str) -> list[tuple[str, str]]:
-    """(page, command) for every line of a ```bash block, in the README and docs/*.md, that
-    starts with `prefix` (a trailing `  # comment` dropped)."""
+def _doc_commands() -> list[tuple[str, str]]:
+    """(page, command) for every line of a shell block (```bash, sh, console) in the README and
+    docs/*.md: a continued line joined, a `$ ` prompt and a trailing ` # comment` dropped."""
     found = []
     for page, text in {"README.md": README, **{f"docs/{n}": t for n, t in DOCS.items()}}.items():
-        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-            for line in block.splitlines():
-                command = line.split("  #")[0].strip()
-                if command.startswith(prefix):
-                    found.append((page, command))
+        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, re.S):
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                found.append((page, _command(line)))
     return found
+
+
+def _command(line: str) -> str:
+    return re.split(r"\s#\s", line.strip().removeprefix("$ "))[0].strip()
+
+
+def _shell_commands(prefix: str) -> list[tuple[str, str]]:
+    """(page, command) for every command of the docs' shell blocks that starts with `prefix`."""
+    return [(page, c) for page, c in _doc_commands() if c.startswith(prefix)]
 
 
 CONFIG_COMMANDS = _shell_commands("trainer config ")
@@ -295,18 +302,14 @@ def _training_commands() -> list[tuple[str, str, str]]:
     slurm/...sbatch`, `trainer-launch` (a continued line joined, a trailing comment dropped).
     Left out: patterns and runs of the reader's own (_PLACEHOLDERS, --resume, --dry-run) and
     trainer-launch running another program (`-- python ...`, `bash`)."""
-    found = []
-    for page, text in {"README.md": README, **{f"docs/{n}": t for n, t in DOCS.items()}}.items():
-        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", text, re.S):
-            found += [(page, line) for line in re.sub(r"\\\n\s*", " ", block).splitlines()]
+    found = _doc_commands()
     for path in sorted([*ROOT.glob("slurm/*"), *ROOT.glob("docker/*"), *ROOT.glob("scripts/*")]):
         if path.is_file():
             for line in path.read_text(errors="replace").splitlines():
                 if line.startswith("#   "):
-                    found.append((str(path.relative_to(ROOT)), line[4:]))
+                    found.append((str(path.relative_to(ROOT)), _command(line[4:])))
     commands = []
-    for where, line in found:
-        command = re.split(r"\s#\s", line.strip().removeprefix("$ "))[0].strip()
+    for where, command in found:
         entry = _ENTRY.search(command)
         if entry is None or command.startswith("#"):
             continue
