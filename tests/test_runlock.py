@@ -65,9 +65,9 @@ def test_a_holder_elsewhere_is_gone_once_its_heartbeat_stops(tmp_path, monkeypat
     monkeypatch.setattr(runlock, "STALE_S", 0.6)
     monkeypatch.setattr(runlock, "BEAT_S", 0.1)
     run_dir = tmp_path / "run"
+    started = time.monotonic()  # before its beat: a beat STALE_S old by the clock is gone
     silent = _holder(machine="another-node", beat=time.time())
     _leave(run_dir, silent)
-    started = time.monotonic()
     lock = RunLock(run_dir, {}).acquire()  # watched for STALE_S, never beat: taken over
     assert lock is not None and time.monotonic() - started >= 0.6
     lock.release()
