@@ -34,6 +34,49 @@ def test_the_stall_bound():
         config.load(None, ["dist.stall_s=300"])
 
 
+def _wakeups(thread) -> int:
+    """How often `thread` gave up the CPU so far (it sleeps in a wait: each wake-up is one)."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        return int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
+
+
+def _watchdog(tmp_path, stall_s: float, fired: list):
+    from trainer.diagnostics.stall import Watchdog, Where
+
+    where = Where(rank=0, node=0, host="h", world_size=1, restart=0, run_dir=str(tmp_path))
+    return Watchdog(where, stall_s, 300.0, exit=lambda code: fired.append((time.monotonic(), code)))
+
+
+def test_the_watchdog_sleeps_until_a_stall_could_be_seen_and_fires_on_time(tmp_path, capsys):
+    """It woke every 0.5 s (and at every evaluation's end) and took the GIL from the training
+    loop each time (a busy CPU's steps paid for it: docs/benchmarks.md). Now it sleeps until the
+    bound could first have passed; it still fires one bound after the last step, and never
+    during a pause."""
+    fired: list = []
+    dog = _watchdog(tmp_path, 1.5, fired).start()
+    try:
+        time.sleep(0.1)
+        before = _wakeups(dog._thread)
+        end = time.monotonic() + 1.2
+        while time.monotonic() < end:  # steps every 10 ms: nothing for the watchdog to look at
+            dog.beat(dog.step + 1)
+            time.sleep(0.01)
+            if dog.step % 5 == 0:
+                with dog.paused():  # an evaluation every 5 steps (an epoch of a small set)
+                    time.sleep(0.002)
+        assert _wakeups(dog._thread) - before <= 1, "the watchdog woke while steps were made"
+        with dog.paused():  # an evaluation longer than the bound: no stall
+            time.sleep(2.0)
+        assert not fired
+        resumed = time.monotonic()
+        dog._thread.join(timeout=10)
+        assert fired and fired[0][1] == 4, fired
+        assert 1.5 <= fired[0][0] - resumed < 2.5, fired[0][0] - resumed
+    finally:
+        dog.close()
+    assert "rank 0 (node 0, host h) has made no step for 2 s" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     "frames, kind, where",
     [

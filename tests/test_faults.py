@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 
 import pytest
 import torch
@@ -186,6 +187,39 @@ def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path, monkeyp
     api.fit(None, overrides, model=probe, data=tiny, exit_on_error=False)
     assert seen == {"on": True, "cudnn": True, "cublas": ":4096:8"}
     assert torch.are_deterministic_algorithms_enabled() == before
+
+
+def _wakeups(thread) -> int:
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        return int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
+
+
+def test_a_rank_sees_its_launcher_end_without_polling_for_it():
+    """The watch sleeps on a pidfd of the launcher: no wake-up while it runs (a thread that
+    looked twice a second took the GIL from a busy CPU's steps), and the end noticed at once."""
+    import threading
+
+    from trainer.orphans import LauncherWatch
+
+    launcher = subprocess.Popen(["sleep", "60"])
+    gone = threading.Event()
+    watch = LauncherWatch({"TORCHELASTIC_RUN_ID": "x"}, end=gone.set, parent=launcher.pid)
+    watch.start()
+    try:
+        time.sleep(0.2)
+        before = _wakeups(watch._thread)
+        time.sleep(1.5)
+        assert _wakeups(watch._thread) == before and not gone.is_set()
+        launcher.kill()
+        t = time.monotonic()
+        assert gone.wait(5) and time.monotonic() - t < 0.5
+    finally:
+        launcher.kill()
+        launcher.wait()
+        watch.close()
+    idle = LauncherWatch({"TORCHELASTIC_RUN_ID": "x"}, end=gone.set, parent=os.getpid()).start()
+    idle.close()  # close() ends the thread at once, whatever it waits on
+    assert not idle._thread.is_alive()
 
 
 @pytest.mark.slow

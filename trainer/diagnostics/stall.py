@@ -32,8 +32,6 @@ from trainer import jsonfile
 from trainer.diagnostics.collectives import Collectives
 
 FOLDER = "diagnostics"
-TICK_S = 0.5
-"""How often the watchdog looks at the clock."""
 C_MARGIN_S = 2.0
 """faulthandler's C-level dump fires this long after the watchdog's bound (only if the
 watchdog, a Python thread, could not run: the GIL is held by a call stuck in C)."""
@@ -169,6 +167,11 @@ class Watchdog:
     fired: bool = False
     _thread: threading.Thread | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
+    _wake: threading.Event = field(default_factory=threading.Event)
+    """Set when the bound came back from 0 while the thread waited for it (a pause ended while it
+    was idle) or on close: a pause that ends before the thread's deadline leaves it asleep (an
+    evaluation every epoch woke it 5 times a second)."""
+    _idle: bool = False
     _c_file: object = None
 
     def beat(self, step: int) -> None:
@@ -192,6 +195,8 @@ class Watchdog:
         finally:
             self.pause_depth -= 1
             self.at = time.monotonic()
+            if not self.pause_depth and self._idle:  # else its deadline is still a safe one
+                self._wake.set()
 
     def start(self) -> Watchdog:
         if stall_bound(self.stall_s, self.timeout_s, None) == 0:
@@ -210,6 +215,7 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._c_file is not None:
@@ -221,17 +227,27 @@ class Watchdog:
                     os.remove(path)  # nothing was dumped: leave no empty file
 
     def _watch(self) -> None:
-        while not self._stop.wait(TICK_S):
+        """Wakes when a stall could first be seen, not on a tick: `at` only moves on and the
+        bound only grows (but for pauses, which wake it when they end), so nothing can stall
+        before `at + bound`. A thread that woke every 0.5 s took the GIL from the training loop
+        each time, which cost a busy CPU's steps (docs/benchmarks.md, "A busy CPU")."""
+        while not self._stop.is_set():
+            self._idle = True  # before the bound is read: a pause ending after it wakes us
             bound = self.bound
-            if not bound:
+            if not bound:  # paused (evaluation, a save) or never: until that changes
                 if self._c_file is not None:
                     faulthandler.cancel_dump_traceback_later()
+                self._wake.wait()
+                self._wake.clear()
                 continue
+            self._idle = False
             quiet = time.monotonic() - self.at
             if quiet >= bound:
                 self.fire(quiet, bound)
                 return
             self._arm_c_dump(bound - quiet + C_MARGIN_S)
+            if self._wake.wait(bound - quiet):
+                self._wake.clear()
 
     def _arm_c_dump(self, seconds: float) -> None:
         """faulthandler's C thread dumps every thread's stack in `seconds`, unless re-armed:
