@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 
 from tests.helpers import slow_mlp, tiny
 from trainer.errors import RetryableError, UsageError
 
-__all__ = ["fail_first_attempt", "fail_retryable", "fail_usage", "paced_mlp", "tiny"]
+__all__ = [
+    "fail_first_attempt", "fail_on_node_0", "fail_retryable", "fail_usage", "paced_mlp", "tiny",
+]  # fmt: skip
 
 
 def fail_usage(cfg, seed):
@@ -18,6 +21,16 @@ def fail_usage(cfg, seed):
 def fail_retryable(cfg, seed):
     """Every rank: a transient failure (exit 4), as a flaky file system would be."""
     raise RetryableError("dataset fails on purpose (retryable)")
+
+
+def fail_on_node_0(cfg, seed):
+    """Node 0 (NODE_RANK, the rendezvous host): bad input (exit 2) at once; the other nodes'
+    ranks are still preparing their data (8 s), outside any collective, when node 0 and the
+    rendezvous it hosts are gone."""
+    if os.environ.get("NODE_RANK") == "0":
+        raise UsageError("dataset fails on purpose (node 0)")
+    time.sleep(8)
+    return tiny(cfg, seed)
 
 
 def fail_first_attempt(cfg, seed):

@@ -1300,6 +1300,56 @@ def test_other_tracebacks_pass_whole_and_in_order():
     assert launched(raws) == [r.decode().rstrip() for r in raws]
 
 
+C10D_BROKEN = [
+    b"[W1129 20:35:47.564389439 TCPStore.cpp:115] [c10d] recvVector failed on SocketImpl(fd=3, "
+    b"addr=[::ffff:127.0.0.1]:43008, remote=[::ffff:127.0.0.1]:29561): Failed to recv, got 0 "
+    b"bytes. Connection was likely closed. Did the remote server shutdown or crash?\n",
+    b"Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp"
+    b":790 (most recent call first):\n",
+    b"frame #0: c10::Error::Error(c10::SourceLocation) + 0x9d (0x7f38ef15e60d in libc10.so)\n",
+    b"<omitting python frames>\n",
+    b"frame #20: <unknown function> + 0x891f5 (0x7f38f00a71f5 in libc.so.6)\n",
+    b"\n",
+]
+"""c10d's C++ warning (and its backtrace) when the store node 0's torchrun hosted went away."""
+TORCHRUN_LOST = [
+    *C10D_BROKEN,
+    b"W1129 20:35:47.451000 5800 .venv/lib/python3.11/site-packages/torch/distributed/elastic/"
+    b"rendezvous/dynamic_rendezvous.py:1346] The node '127.0.0.1_5800_0' has failed to send a "
+    b"keep-alive heartbeat to the rendezvous 'i1' due to an error of type "
+    b"RendezvousConnectionError.\n",
+    b"Traceback (most recent call last):\n",
+    b'  File "torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 114, in '
+    b"_call_store\n",
+    b"    return getattr(self._store, store_op)(*args, **kwargs)\n",
+    b"torch.distributed.DistNetworkError: Broken pipe\n",
+    b"\n",
+    b"The above exception was the direct cause of the following exception:\n",
+    b"\n",
+    b"Traceback (most recent call last):\n",
+    b'  File "torch/distributed/elastic/agent/server/api.py", line 959, in _invoke_run\n',
+    b"    num_nodes_waiting = rdzv_handler.num_nodes_waiting()\n",
+    b'  File "torch/distributed/elastic/rendezvous/c10d_rendezvous_backend.py", line 116, in '
+    b"_call_store\n",
+    b"torch.distributed.elastic.rendezvous.api.RendezvousConnectionError: The connection to the "
+    b"C10d store has failed. See inner exception for details.\n",
+]
+"""What torchrun printed (~190 lines, shortened) on node 1 when node 0's torchrun ended while
+node 1's ranks ran: its watch of the other nodes (num_nodes_waiting) lost node 0's store."""
+
+
+def test_a_node_that_lost_its_rendezvous_host_while_running_ends_in_one_line():
+    assert launched([b"epoch 1\n", *TORCHRUN_LOST]) == [
+        "epoch 1",
+        "trainer-launch: error: node 1 lost the rendezvous at 10.0.0.9:29500 while its ranks ran "
+        "(Broken pipe): node 0 ended first; its log says why (a rank's error there ends the job), "
+        "then start all nodes again (the job resumes from the last checkpoint)",
+    ]
+    # c10d's C++ warnings are held like torchrun's log lines: printed when something follows
+    raws = [b"epoch 1\n", *C10D_BROKEN, b"epoch 2\n"]
+    assert launched(raws) == [r.decode().rstrip("\n") for r in raws]
+
+
 @pytest.mark.slow
 def test_trainer_launch_on_a_node_without_its_rendezvous_exits_4_in_one_line(tmp_path):
     from tests.helpers import free_port

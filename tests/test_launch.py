@@ -9,6 +9,7 @@ scheduler), plus what our own manifests add through the downward API (POD_IP, JO
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import env, wait_for
+from tests.helpers import env, free_port, wait_for
 from trainer import launch
 from trainer.errors import UsageError
 from trainer.launch import Command, Route, exit_code, make_plan, split_command
@@ -567,6 +568,38 @@ def test_the_ranks_exit_code_comes_through_torchrun(tmp_path, failure, code):
     )
     assert p.returncode == code, p.stderr[-3000:]
     assert f"dataset fails on purpose ({failure})" in p.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.long  # ~20 s: two nodes of one process each
+def test_a_node_whose_rendezvous_host_ended_says_so_in_one_line(tmp_path):
+    """Node 0's rank refuses its input (exit 2) while node 1's rank is still preparing its
+    data: node 0's torchrun ends and takes the rendezvous store with it. Node 1 printed 112-194
+    lines (c10d's C++ backtraces, torchrun's RendezvousConnectionError traceback, then its rank's
+    broken-collective line). Now: one line naming node 0 as where to look, exit 4; a rank's own
+    line (a broken collective, or "stopped by SIGTERM" and exit 3 where torchrun's SIGTERM found it
+    at a stop point) does not stand for the cause."""
+    port = str(free_port())
+    nodes = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "RDZV_ID": "lost"}
+    args = [*TINY, "data.name=tests.launch_plugins:fail_on_node_0", f"run_dir={tmp_path}/run"]
+    common = {**nodes, "NPROC_PER_NODE": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    procs = [
+        subprocess.Popen([LAUNCH, *args], env=env(**common, NODE_RANK=str(n)), cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for n in (0, 1)
+    ]  # fmt: skip
+    (_, err0), (_, err1) = (p.communicate(timeout=180) for p in procs)
+    assert procs[0].returncode == 2, err0[-3000:]
+    # (c10d numbers the ranks in the order the nodes joined: node 0's may be rank 1)
+    last = re.sub(r"^trainer: error: \[rank \d\] ", "trainer: error: ", err0.splitlines()[-1])
+    assert last == "trainer: error: dataset fails on purpose (node 0)", err0[-3000:]
+    mine = [x for x in err1.splitlines() if not x.startswith("trainer-launch: ") or "error" in x]
+    assert procs[1].returncode == 4 and len(mine) == 1, err1[-3000:]
+    assert mine[0].startswith(
+        f"trainer-launch: error: node 1 lost the rendezvous at 127.0.0.1:{port} while its ranks "
+        "ran ("
+    ), mine
+    assert "node 0 ended first; its log says why" in mine[0]
 
 
 @pytest.mark.slow

@@ -592,6 +592,15 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
             line, code = killed, ExitCode.USAGE  # the cause; the peers' lines are its effects
         if line is None and rc != 0 and out.rendezvous and plan.rendezvous and not signals.last:
             line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
+        elif (
+            rc != 0 and out.rendezvous and plan.rendezvous and not signals.last
+            and code != ExitCode.USAGE and lost_while_running(out.rendezvous)
+        ):  # fmt: skip
+            # torchrun lost the others while its ranks ran and stopped them (SIGTERM): their
+            # lines ("stopped by SIGTERM", a broken collective) and their exit 3 are its
+            # effects, not a preemption to requeue.
+            line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
+            out.errors.clear()
         out.finish(line)
         return code
     finally:
@@ -630,8 +639,10 @@ class Traceback:
 
     CHAINED = (b"The above exception was", b"During handling of the above exception")
 
-    def __init__(self, first: bytes) -> None:
+    def __init__(self, first: bytes, early: bool = True) -> None:
         self.lines = [first]
+        self.early = early
+        """It began before anything else was printed."""
         self.exceptions: list[bytes] = []
         """Each part's final line (`module.Type: message`), innermost cause first."""
         self._state = "frames"
@@ -682,6 +693,10 @@ class StderrFilter:
     RANK_LINES = (b"trainer: error: ", b"trainer: stopped by ")
     """The ranks' own last lines: an error's, or a stop's by a signal (exit 3, not an error)."""
     AGENT = re.compile(rb"^[IWEF]\d{4} [\d:.]+ \d+ \S*torch/distributed/")
+    C10D = re.compile(rb"^\[[IWEF]\d{4} [\d:.]+ \w+\.cpp:\d+\] \[c10d\] ")
+    """c10d's C++ log lines (a store connection that broke: `recvVector failed on SocketImpl`),
+    each followed by its C++ backtrace: torchrun's own words, held as AGENT's are."""
+    CPP = re.compile(rb"^(?:Exception raised from \S+ at |frame #\d+: |<omitting python frames>)")
     FAILED = re.compile(rb"failed \(exitcode: ")
     SIGNALLED = re.compile(rb"Received \d+ death signal, shutting down workers")
 
@@ -701,7 +716,9 @@ class StderrFilter:
         """Something was printed: a traceback now may be a worker's, so it passes as it comes."""
         self.block: Traceback | None = None
         self.rendezvous: Traceback | None = None
-        """torchrun's traceback for a rendezvous this node could not join, held back."""
+        """torchrun's traceback for a rendezvous this node could not join or lost, held back."""
+        self.cpp = False
+        """Inside a held c10d line's C++ backtrace (it ends at a blank line)."""
 
     def _write(self, *chunks: bytes) -> None:
         buffer = getattr(self.stream, "buffer", None)
@@ -723,6 +740,8 @@ class StderrFilter:
             self.held.append(raw)
         elif self.noise.known(raw):
             return
+        elif self._cpp_log(raw):
+            self.held.append(raw)
         elif raw.startswith(self.RANK_LINES):
             self.errors.append(raw)
         elif self.AGENT.match(raw):
@@ -734,8 +753,11 @@ class StderrFilter:
         ):
             self.tail = True  # the workers are gone: the rest is torchrun's own report
             self.held.append(raw)
-        elif not self.started and raw.startswith(b"Traceback (most recent call last):"):
-            self.block = Traceback(raw)
+        elif raw.startswith(b"Traceback (most recent call last):"):
+            # Before anything was printed it may be torchrun's failure to join; later, its loss
+            # of the others while the ranks run (a worker's own traceback is passed on whole as
+            # soon as its last line shows it is not torchrun's).
+            self.block = Traceback(raw, early=not self.started)
         elif self.signalled:  # the workers' lines while they stop; torchrun's stay held
             self._write(raw)
             self.started = True
@@ -745,11 +767,28 @@ class StderrFilter:
             self.failed = False
             self.started = True
 
+    def _cpp_log(self, raw: bytes) -> bool:
+        """Whether `raw` is a c10d C++ log line or a line of the backtrace that follows it."""
+        if self.cpp:
+            if self.CPP.match(raw):
+                return True
+            self.cpp = False
+            if not raw.strip():
+                return True  # the blank line that closes the backtrace
+        if self.C10D.match(raw):
+            self.cpp = True
+            return True
+        return False
+
     def _end_block(self) -> None:
         block, self.block = self.block, None
         if block is None:
             return
-        if block.complete() and RENDEZVOUS_FAILURE.match(block.exceptions[-1]):
+        if (
+            block.complete()
+            and RENDEZVOUS_FAILURE.match(block.exceptions[-1])
+            and (block.early or lost_while_running(block))
+        ):  # a failure to join once something was printed (a restart's) stays whole
             self.rendezvous = block
         else:
             self._write(*self.held, *block.lines)
@@ -799,6 +838,19 @@ def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
     where = f"the {'etcd ' if etcd else ''}rendezvous at {rendezvous.endpoint}"
     if rendezvous.where:
         where += f" ({rendezvous.where})"
+    if lost_while_running(failure):
+        reason = shorten(_innermost(failure), 160)
+        if etcd:
+            return (
+                f"trainer-launch: error: {node} lost {where} while its ranks ran ({reason}): "
+                "check that etcd still runs there, then start the job again (it resumes from the "
+                "last checkpoint)"
+            )
+        return (
+            f"trainer-launch: error: {node} lost {where} while its ranks ran ({reason}): node 0 "
+            "ended first; its log says why (a rank's error there ends the job), then start all "
+            "nodes again (the job resumes from the last checkpoint)"
+        )
     if etcd:
         return _etcd_error(kind, failure, rendezvous, node, where)
     if unknown := unresolved(rendezvous.host):
@@ -825,6 +877,12 @@ def rendezvous_error(failure: Traceback, rendezvous: Rendezvous) -> str:
         "that node 0 is running and that MASTER_ADDR and MASTER_PORT name it (a firewall or "
         "NetworkPolicy must let this node reach that port)"
     )
+
+
+def lost_while_running(failure: Traceback) -> bool:
+    """Whether torchrun met the rendezvous failure while its ranks ran: in the agent's watch of
+    the other nodes (num_nodes_waiting), after the ranks had started, not in joining."""
+    return any(b"num_nodes_waiting" in line for line in failure.lines)
 
 
 def _innermost(failure: Traceback) -> str:
