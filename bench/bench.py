@@ -9,6 +9,7 @@
     python bench/bench.py --suite sweep          # GPT cost against width (4 sizes), world 1 and 2
     python bench/bench.py --suite headline       # GPT-2-small MFU and more on a GPU (headline.py)
     python bench/bench.py --suite parallel --reps 1   # pp=2, tp=2, FSDP: memory, bubble (parallel.py)
+    python bench/bench.py --suite busy           # trainer / bare under a background load (busy.py)
 
 Every row is a real run of `python -m trainer train` (under torchrun for 2 processes) or of the
 hand-written loop in bench/bare.py, on the same machine, in the same invocation. Rows run
@@ -164,6 +165,8 @@ QUICK = {  # --quick: a smoke test of the machinery, not a measurement
     "log.every_steps=20": "log.every_steps=5",
     "model.gpt.width=640": "model.gpt.width=64",
     "train.max_steps=8": "train.max_steps=4",
+    "train.max_steps=2000": "train.max_steps=60",
+    "train.max_steps=200": "train.max_steps=12",
 }
 WI = ("repro.world_invariant=true",)
 
@@ -179,6 +182,7 @@ class Row:
     threads: int | None = 1  # OMP_NUM_THREADS per process; None: 1 unless the user set it
     metric: str = "samples_per_s"  # | "first_step_s" (launch to first step) | "wall_s" | "ratio"
     group: str = "throughput"
+    load: str | None = None  # a background load that runs beside it (bench/busy.py LOADS)
 
     @property
     def unit(self) -> str:
@@ -259,6 +263,32 @@ INTERLEAVED = (
     "GPT trainer / bare, 1 process x 2 threads, alternating",
     "GPT trainer / bare, 2 processes x 1 thread, alternating",
 )
+
+
+# The busy suite: the alternating rows with a background load beside them (bench/busy.py). Longer
+# runs than the CPU suite's (38 window pairs a run, not 10): a loaded core's windows scatter more.
+BUSY_MLP = [a if a != "train.max_steps=600" else "train.max_steps=2000" for a in CPU_BASE]
+BUSY_GPT = [a if a != "train.max_steps=100" else "train.max_steps=200" for a in CPU_GPT]
+QUIET, SPINNING, BURSTY = "quiet", "a core spinning", "bursty half core"
+
+
+def busy_rows() -> list[Row]:
+    """trainer / bare, windows alternating in one process (as the CPU suite's rows), with a
+    background load beside the run: none, a core spinning, a bursty half core."""
+    group = "trainer / bare, windows alternating, beside a background load"
+    mlp, gpt = tuple(BUSY_MLP), tuple(BUSY_GPT)
+    rows = [
+        Row(f"MLP, 2 processes, {label}", "interleaved", mlp, 2, metric="ratio", group=group,
+            load=load)
+        for load, label in ((None, QUIET), ("spin", SPINNING), ("bursty", BURSTY))
+    ]  # fmt: skip
+    return [
+        *rows,
+        Row(f"MLP, 1 process, {BURSTY}", "interleaved", mlp, 1, metric="ratio", group=group,
+            load="bursty"),
+        Row(f"GPT, 2 processes x 1 thread, {BURSTY}", "interleaved", gpt, 2, threads=1,
+            metric="ratio", group=group, load="bursty"),
+    ]  # fmt: skip
 
 
 # (ratio, numerator row, denominator row, target): ratios of the rows' medians; a denominator of
@@ -531,6 +561,7 @@ INVARIANT_RATIOS = [
 
 
 SUITES = {  # suite -> (its rows, its ratios, the base overrides its FLOPs are counted on)
+    "busy": (busy_rows, [(r.name, r.name, None, 0.97) for r in busy_rows()], CPU_BASE),
     "gpu": (gpu_rows, GPU_RATIOS, GPU_BASE),
     "cpu": (cpu_rows, CPU_RATIOS, CPU_BASE),
     "invariant": (invariant_rows, INVARIANT_RATIOS, CPU_BASE),
@@ -769,9 +800,21 @@ def _run(
 
 
 def run_row(row: Row, work: Path, timeout: float | None = None, launch=_run) -> dict:
-    """Launch one run of `row`; {"value": its number, ...what else was measured}. `timeout`
-    bounds the run (SystemExit past it); `launch(cmd, threads, timeout)` starts it (default: a
-    subprocess; bench/headline.py's CPU dry run forks instead)."""
+    """Launch one run of `row`, beside its background load if it has one; {"value": its number,
+    ...what else was measured}. `timeout` bounds the run (SystemExit past it); `launch(cmd,
+    threads, timeout)` starts it (default: a subprocess; bench/headline.py's CPU dry run forks
+    instead)."""
+    if row.load is None:
+        return _run_one(row, work, timeout, launch)
+    if str(ROOT / "bench") not in sys.path:  # loaded by path (the tests do): busy.py is beside it
+        sys.path.insert(0, str(ROOT / "bench"))
+    import busy
+
+    with busy.running(row.load):
+        return _run_one(row, work, timeout, launch)
+
+
+def _run_one(row: Row, work: Path, timeout: float | None, launch) -> dict:
     if row.kind == "help":
         cmd = [str(Path(sys.executable).with_name("trainer")), "--help"]
         _, wall, _ = launch(cmd, row.threads, timeout)
@@ -942,6 +985,7 @@ def run_suite(
             "metric": row.metric,
             "unit": row.unit,
             "overrides": list(row.overrides),
+            "load": row.load,
             **summaries[row.name],
             "runs": runs[row.name],
         }
@@ -1227,6 +1271,7 @@ def main(argv: list[str] | None = None) -> int:
             "auto",
             "cpu",
             "gpu",
+            "busy",
             "ckpt",
             "sweep",
             "headline",
@@ -1237,7 +1282,9 @@ def main(argv: list[str] | None = None) -> int:
             "bucket",
         ),
         default="auto",
-        help="auto: gpu on a CUDA machine, else cpu; ckpt: checkpoint stall (GPT, 2 processes); "
+        help="auto: gpu on a CUDA machine, else cpu; busy: the alternating trainer / bare rows "
+        "beside a background load, a core spinning or a bursty half core (bench/busy.py); "
+        "ckpt: checkpoint stall (GPT, 2 processes); "
         "sweep: GPT cost against width at world 1 and 2; headline: GPT-2-small MFU, checkpoint "
         "stall, world_invariant and ResNet-50's data wait on one GPU, once each "
         "(bench/headline.py; --quick: tiny sizes on the CPU); parallel: memory per rank, "

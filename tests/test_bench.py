@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -341,6 +342,46 @@ def test_a_window_pair_is_a_trainer_window_over_the_bare_window_after_it():
     rows = [r for r in bench.cpu_rows() if r.kind == "interleaved"]
     assert [r.name for r in rows] == list(bench.INTERLEAVED) and {r.unit for r in rows} == {"x"}
     assert {name for name, _, den, _ in bench.CPU_RATIOS if den is None} == set(bench.INTERLEAVED)
+
+
+def test_the_busy_suite_runs_each_row_beside_its_background_load(tmp_path, monkeypatch):
+    """bench/busy.py: the load runs for the row's run and is gone after it; rows without one
+    start none. Each busy row is an alternating trainer / bare row with a ratio and a target."""
+    busy = _load("busy")
+    monkeypatch.setitem(sys.modules, "busy", busy)
+    seen = []
+
+    def launch(row, work, timeout, _launch):
+        seen.append((row.name, _children()))
+        return {"value": 1.0}
+
+    monkeypatch.setattr(bench, "_run_one", launch)
+    before = _children()  # whatever this test process runs already
+    rows = {r.load: r for r in bench.busy_rows()}
+    assert set(rows) == {None, "spin", "bursty"} and set(busy.LOADS) == {"spin", "bursty"}
+    for load in (None, "spin", "bursty"):
+        bench.run_row(rows[load], tmp_path)
+    assert [n - before for _, n in seen] == [0, 1, 1] and _children() == before, seen
+    names = [r.name for r in bench.busy_rows()]
+    specs = bench.SUITES["busy"][1]
+    assert [(s[0], s[2], s[3]) for s in specs] == [(n, None, 0.97) for n in names]
+    assert all(r.kind == "interleaved" and r.metric == "ratio" for r in bench.busy_rows())
+    with pytest.raises(ValueError, match="unknown background load 'x'"), busy.running("x"):
+        pass
+
+
+def _children() -> int:
+    """This process's live children (a background load while it runs)."""
+    me = os.getpid()
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        count += int(fields[1]) == me and fields[0] != "Z"
+    return count
 
 
 @pytest.mark.long  # ten small runs, 1 to 4 ranks: ~1 min
