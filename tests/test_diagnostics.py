@@ -77,6 +77,50 @@ def test_the_watchdog_sleeps_until_a_stall_could_be_seen_and_fires_on_time(tmp_p
     assert "rank 0 (node 0, host h) has made no step for 2 s" in capsys.readouterr().err
 
 
+def test_the_first_step_time_brings_the_watchdogs_deadline_closer(tmp_path, monkeypatch, capsys):
+    """With dist.stall_s unset the bound is 90% of dist.timeout_s until a step time is known,
+    then AUTO_STEPS steps (at least AUTO_MIN_S): the sleeping thread must wake to the nearer
+    deadline, not name the stall at the first bound."""
+    from trainer.diagnostics import stall
+
+    monkeypatch.setattr(stall, "AUTO_MIN_S", 1.0)
+    fired: list = []
+    dog = _watchdog(tmp_path, None, fired)
+    dog.timeout_s = 30.0  # 27 s before any step time is known
+    dog.start()
+    try:
+        time.sleep(0.2)
+        dog.beat(1)
+        dog.observe(0.001)  # the first log window: a 1 ms step, the bound becomes 1 s
+        last = time.monotonic()
+        dog._thread.join(timeout=10)
+        assert fired and fired[0][0] - last < 3.0, fired
+    finally:
+        dog.close()
+    capsys.readouterr()
+
+
+def test_a_pause_holding_the_gil_leaves_no_c_dump(tmp_path):
+    """faulthandler's C dump (for a rank stuck in C holding the GIL) is cancelled when a pause
+    begins, on the training thread: the watchdog's thread, asleep until its deadline, could not
+    cancel it while an evaluation or a save held the GIL in C past the bound."""
+    import ctypes
+
+    fired: list = []
+    dog = _watchdog(tmp_path, 0.5, fired).start()
+    try:
+        dog.beat(1)
+        with dog.paused():
+            ctypes.PyDLL(None).sleep(3)  # in C, the GIL held, 3 s > the bound + C_MARGIN_S
+        dumps = list((tmp_path / "diagnostics").glob("*.faulthandler.txt"))
+        assert dumps and all(p.stat().st_size == 0 for p in dumps), [
+            p.read_text()[:300] for p in dumps
+        ]
+        assert not fired
+    finally:
+        dog.close()
+
+
 @pytest.mark.parametrize(
     "frames, kind, where",
     [

@@ -179,7 +179,10 @@ class Watchdog:
 
     def observe(self, mean_step_s: float) -> None:
         if self.slowest_step_s is None or mean_step_s > self.slowest_step_s:
+            before = self.bound
             self.slowest_step_s = mean_step_s
+            if self.bound < before:  # the first step time: 90% of dist.timeout_s becomes the
+                self._wake.set()  # auto bound (a minute): the thread's deadline moves closer
 
     @property
     def bound(self) -> float:
@@ -189,14 +192,21 @@ class Watchdog:
 
     @contextlib.contextmanager
     def paused(self):
+        """No stall while the body runs (evaluation, a save). faulthandler's C dump is cancelled
+        here and armed again after, on this thread: the watchdog's thread sleeps through short
+        pauses and could not cancel it in time."""
         self.pause_depth += 1
+        if self.pause_depth == 1 and self._c_file is not None:
+            faulthandler.cancel_dump_traceback_later()
         try:
             yield
         finally:
             self.pause_depth -= 1
             self.at = time.monotonic()
-            if not self.pause_depth and self._idle:  # else its deadline is still a safe one
-                self._wake.set()
+            if not self.pause_depth and self._thread is not None:
+                self._arm_c_dump(self.bound + C_MARGIN_S)
+                if self._idle:  # else its deadline (from an earlier `at`) is still a safe one
+                    self._wake.set()
 
     def start(self) -> Watchdog:
         if stall_bound(self.stall_s, self.timeout_s, None) == 0:
@@ -228,8 +238,9 @@ class Watchdog:
 
     def _watch(self) -> None:
         """Wakes when a stall could first be seen, not on a tick: `at` only moves on and the
-        bound only grows (but for pauses, which wake it when they end), so nothing can stall
-        before `at + bound`. A thread that woke every 0.5 s took the GIL from the training loop
+        bound only grows (but for pauses, which wake it when they end, and the first step time,
+        which shrinks it from 90% of dist.timeout_s and wakes it), so nothing can stall before
+        `at + bound`. A thread that woke every 0.5 s took the GIL from the training loop
         each time, which cost a busy CPU's steps (docs/benchmarks.md, "A busy CPU")."""
         while not self._stop.is_set():
             self._idle = True  # before the bound is read: a pause ending after it wakes us
