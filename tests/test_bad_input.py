@@ -1345,9 +1345,28 @@ def test_a_node_that_lost_its_rendezvous_host_while_running_ends_in_one_line():
         "(Broken pipe): node 0 ended first; its log says why (a rank's error there ends the job), "
         "then start all nodes again (the job resumes from the last checkpoint)",
     ]
-    # c10d's C++ warnings are held like torchrun's log lines: printed when something follows
+    # c10d's C++ warnings are held like torchrun's log lines: printed when something follows,
+    # dropped when a rank's line explains the failure
     raws = [b"epoch 1\n", *C10D_BROKEN, b"epoch 2\n"]
     assert launched(raws) == [r.decode().rstrip("\n") for r in raws]
+    from trainer.launch import StderrFilter
+
+    out = io.StringIO()
+    live = StderrFilter(out)
+    for raw in [b"epoch 1\n", *C10D_BROKEN]:
+        live.feed(raw)
+    assert out.getvalue() == "epoch 1\n"
+    live.finish("trainer: error: [rank 1] a collective failed")
+    assert out.getvalue().splitlines() == [
+        "epoch 1",
+        "trainer: error: [rank 1] a collective failed",
+    ]
+    # A worker's traceback once something was printed passes as it comes, line by line
+    out = io.StringIO()
+    live = StderrFilter(out)
+    live.feed(b"epoch 1\n")
+    live.feed(b"Traceback (most recent call last):\n")
+    assert out.getvalue().splitlines() == ["epoch 1", "Traceback (most recent call last):"]
 
 
 @pytest.mark.slow

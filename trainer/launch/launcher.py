@@ -590,22 +590,30 @@ def run_child(plan: Plan, signals: Forwarder) -> int:
         line = node_message(status_dir, code) if rc != 0 else None
         if rc != 0 and not signals.last and (killed := _oom_line(plan, memory, seen)):
             line, code = killed, ExitCode.USAGE  # the cause; the peers' lines are its effects
-        if line is None and rc != 0 and out.rendezvous and plan.rendezvous and not signals.last:
-            line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
-        elif (
-            rc != 0 and out.rendezvous and plan.rendezvous and not signals.last
-            and code != ExitCode.USAGE and lost_while_running(out.rendezvous)
-        ):  # fmt: skip
-            # torchrun lost the others while its ranks ran and stopped them (SIGTERM): their
-            # lines ("stopped by SIGTERM", a broken collective) and their exit 3 are its
-            # effects, not a preemption to requeue.
-            line, code = rendezvous_error(out.rendezvous, plan.rendezvous), ExitCode.RETRYABLE
-            out.errors.clear()
+        if rc != 0 and out.rendezvous and plan.rendezvous and not signals.last:
+            line, code = _rendezvous_ending(out, plan.rendezvous, line, code)
         out.finish(line)
         return code
     finally:
         out.finish(None)
         shutil.rmtree(status_dir, ignore_errors=True)
+
+
+def _rendezvous_ending(
+    out: StderrFilter, rendezvous: Rendezvous, line: str | None, code: int
+) -> tuple[str | None, int]:
+    """The node's line and code when torchrun ended in a rendezvous failure: one line, exit 4,
+    where no rank said why; and where torchrun lost the others while its ranks ran and stopped
+    them (SIGTERM), in place of their lines ("stopped by SIGTERM", a broken collective) and
+    their exit 3 or 4, which are its effects, not a preemption to requeue. A rank's own 1 or 2
+    keeps its line."""
+    assert out.rendezvous is not None
+    if line is None:
+        return rendezvous_error(out.rendezvous, rendezvous), ExitCode.RETRYABLE
+    if code in (ExitCode.PREEMPTED, ExitCode.RETRYABLE) and lost_while_running(out.rendezvous):
+        out.errors.clear()
+        return rendezvous_error(out.rendezvous, rendezvous), ExitCode.RETRYABLE
+    return line, code
 
 
 def _oom_line(plan: Plan, before, seen) -> str | None:
@@ -753,10 +761,13 @@ class StderrFilter:
         ):
             self.tail = True  # the workers are gone: the rest is torchrun's own report
             self.held.append(raw)
-        elif raw.startswith(b"Traceback (most recent call last):"):
-            # Before anything was printed it may be torchrun's failure to join; later, its loss
-            # of the others while the ranks run (a worker's own traceback is passed on whole as
-            # soon as its last line shows it is not torchrun's).
+        elif raw.startswith(b"Traceback (most recent call last):") and (
+            not self.started or self.held
+        ):
+            # Before anything was printed it may be torchrun's failure to join; later, right
+            # after torchrun's own held lines (a keep-alive that failed, its workers stopped),
+            # its loss of the others while the ranks ran. A worker's traceback otherwise passes
+            # as it comes (in a block: whole, once its last line shows it is not torchrun's).
             self.block = Traceback(raw, early=not self.started)
         elif self.signalled:  # the workers' lines while they stop; torchrun's stay held
             self._write(raw)
