@@ -193,7 +193,10 @@ def _signal_one_rank(tmp_path, steps: int, *overrides) -> tuple[int, int]:
     assert meta["reason"] == "signal SIGTERM"
     (stop,) = [r for r in read_jsonl(metrics) if r["kind"] == "stop"]
     assert stop["signal"] == "SIGTERM" and stop["step"] == meta["loop"]["step"], stop
-    assert stop["noticed"] > logged, (stop, logged)  # sent after step `logged` was recorded
+    # Sent after rank 0 recorded step `logged`: the signalled rank notices it at that step's
+    # boundary at the earliest (it may not have reached its vote there yet: seen once in a
+    # fresh clone's make test, noticed 3 with 3 logged).
+    assert stop["noticed"] >= logged, (stop, logged)
     return stop["noticed"], stop["step"]
 
 
