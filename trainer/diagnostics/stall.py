@@ -35,6 +35,11 @@ FOLDER = "diagnostics"
 C_MARGIN_S = 2.0
 """faulthandler's C-level dump fires this long after the watchdog's bound (only if the
 watchdog, a Python thread, could not run: the GIL is held by a call stuck in C)."""
+C_GUARD_S = 5.0
+"""A pause that begins this close to the C dump's time cancels it (and arms it again after):
+the watchdog's thread, asleep until its deadline, could not cancel it while the pause held the
+GIL in C. Only then: each cancel and arm starts a C thread (an evaluation every epoch made that
+5 times a second, which a busy CPU pays for)."""
 GATHER_S = 10.0
 """How long rank 0 waits for the other ranks' files before it writes the summary."""
 AUTO_MIN_S, AUTO_STEPS = 60.0, 30
@@ -173,6 +178,10 @@ class Watchdog:
     evaluation every epoch woke it 5 times a second)."""
     _idle: bool = False
     _c_file: object = None
+    _c_at: float | None = None
+    """When the armed C dump fires (time.monotonic()); None: not armed."""
+    _c_paused: bool = False
+    """The running pause cancelled the C dump: its end arms it again."""
 
     def beat(self, step: int) -> None:
         self.step, self.at = step, time.monotonic()
@@ -196,15 +205,19 @@ class Watchdog:
         here and armed again after, on this thread: the watchdog's thread sleeps through short
         pauses and could not cancel it in time."""
         self.pause_depth += 1
-        if self.pause_depth == 1 and self._c_file is not None:
-            faulthandler.cancel_dump_traceback_later()
+        c_at = self._c_at
+        if self.pause_depth == 1 and c_at is not None and c_at - time.monotonic() < C_GUARD_S:
+            self._cancel_c_dump()
+            self._c_paused = True
         try:
             yield
         finally:
             self.pause_depth -= 1
             self.at = time.monotonic()
-            if not self.pause_depth and self._thread is not None:
-                self._arm_c_dump(self.bound + C_MARGIN_S)
+            if not self.pause_depth:
+                if self._c_paused and self._thread is not None:
+                    self._arm_c_dump(self.bound + C_MARGIN_S)
+                self._c_paused = False
                 if self._idle:  # else its deadline (from an earlier `at`) is still a safe one
                     self._wake.set()
 
@@ -247,7 +260,7 @@ class Watchdog:
             bound = self.bound
             if not bound:  # paused (evaluation, a save) or never: until that changes
                 if self._c_file is not None:
-                    faulthandler.cancel_dump_traceback_later()
+                    self._cancel_c_dump()
                 self._wake.wait()
                 self._wake.clear()
                 continue
@@ -270,8 +283,13 @@ class Watchdog:
                 name = f".restart{self.where.restart}-rank-{self.where.rank}.faulthandler.txt"
                 self._c_file = open(os.path.join(folder, name), "w")  # noqa: SIM115
             faulthandler.dump_traceback_later(seconds, file=self._c_file)
+            self._c_at = time.monotonic() + seconds
         except (OSError, ValueError):
             pass  # diagnostics never stop a run
+
+    def _cancel_c_dump(self) -> None:
+        faulthandler.cancel_dump_traceback_later()
+        self._c_at = None
 
     def fire(self, quiet: float, bound: float) -> None:
         """The stall: this rank's file, rank 0's summary line, exit 4 (the transient code)."""
