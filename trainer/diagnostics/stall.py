@@ -201,9 +201,9 @@ class Watchdog:
 
     @contextlib.contextmanager
     def paused(self):
-        """No stall while the body runs (evaluation, a save). faulthandler's C dump is cancelled
-        here and armed again after, on this thread: the watchdog's thread sleeps through short
-        pauses and could not cancel it in time."""
+        """No stall while the body runs (evaluation, a save). A C dump due within C_GUARD_S is
+        cancelled here and armed again after, on this thread: the watchdog's thread sleeps
+        through short pauses and could not cancel it in time if the body held the GIL in C."""
         self.pause_depth += 1
         c_at = self._c_at
         if self.pause_depth == 1 and c_at is not None and c_at - time.monotonic() < C_GUARD_S:
