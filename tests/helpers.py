@@ -417,6 +417,13 @@ def children(pid: int) -> list[int]:
     return out
 
 
+def thread_wakeups(thread) -> int:
+    """How often `thread` of this process gave up the CPU so far (a thread asleep in a wait:
+    each wake-up is one), from /proc."""
+    with open(f"/proc/self/task/{thread.native_id}/status") as f:
+        return int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
+
+
 def spawn(*args, nproc: int | None = None, extra_env=None, max_restarts: int = 0):
     """Start the trainer (or torchrun) in the background, output in proc.stdout."""
     cmd = trainer_argv(*args, nproc=nproc, max_restarts=max_restarts)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import children
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -352,36 +354,22 @@ def test_the_busy_suite_runs_each_row_beside_its_background_load(tmp_path, monke
     seen = []
 
     def launch(row, work, timeout, _launch):
-        seen.append((row.name, _children()))
+        seen.append((row.name, len(children(os.getpid()))))
         return {"value": 1.0}
 
     monkeypatch.setattr(bench, "_run_one", launch)
-    before = _children()  # whatever this test process runs already
+    before = len(children(os.getpid()))  # whatever this test process runs already
     rows = {r.load: r for r in bench.busy_rows()}
     assert set(rows) == {None, "spin", "bursty"} and set(busy.LOADS) == {"spin", "bursty"}
     for load in (None, "spin", "bursty"):
         bench.run_row(rows[load], tmp_path)
-    assert [n - before for _, n in seen] == [0, 1, 1] and _children() == before, seen
+    assert [n - before for _, n in seen] == [0, 1, 1] and len(children(os.getpid())) == before, seen
     names = [r.name for r in bench.busy_rows()]
     specs = bench.SUITES["busy"][1]
     assert [(s[0], s[2], s[3]) for s in specs] == [(n, None, 0.97) for n in names]
     assert all(r.kind == "interleaved" and r.metric == "ratio" for r in bench.busy_rows())
     with pytest.raises(ValueError, match="unknown background load 'x'"), busy.running("x"):
         pass
-
-
-def _children() -> int:
-    """This process's live children (a background load while it runs)."""
-    me = os.getpid()
-    count = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        count += int(fields[1]) == me and fields[0] != "Z"
-    return count
 
 
 @pytest.mark.long  # ten small runs, 1 to 4 ranks: ~1 min

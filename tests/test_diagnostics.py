@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests import netns
-from tests.helpers import ROOT, read_jsonl, trainer
+from tests.helpers import ROOT, read_jsonl, thread_wakeups, trainer
 from trainer import cli, config, diagnostics
 from trainer.diagnostics import Frame, Stragglers, activity, stall_bound
 from trainer.errors import UsageError
@@ -34,12 +34,6 @@ def test_the_stall_bound():
         config.load(None, ["dist.stall_s=300"])
 
 
-def _wakeups(thread) -> int:
-    """How often `thread` gave up the CPU so far (it sleeps in a wait: each wake-up is one)."""
-    with open(f"/proc/self/task/{thread.native_id}/status") as f:
-        return int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
-
-
 def _watchdog(tmp_path, stall_s: float, fired: list):
     from trainer.diagnostics.stall import Watchdog, Where
 
@@ -56,7 +50,7 @@ def test_the_watchdog_sleeps_until_a_stall_could_be_seen_and_fires_on_time(tmp_p
     dog = _watchdog(tmp_path, 1.5, fired).start()
     try:
         time.sleep(0.1)
-        before = _wakeups(dog._thread)
+        before = thread_wakeups(dog._thread)
         end = time.monotonic() + 1.2
         while time.monotonic() < end:  # steps every 10 ms: nothing for the watchdog to look at
             dog.beat(dog.step + 1)
@@ -64,7 +58,7 @@ def test_the_watchdog_sleeps_until_a_stall_could_be_seen_and_fires_on_time(tmp_p
             if dog.step % 5 == 0:
                 with dog.paused():  # an evaluation every 5 steps (an epoch of a small set)
                     time.sleep(0.002)
-        assert _wakeups(dog._thread) - before <= 1, "the watchdog woke while steps were made"
+        assert thread_wakeups(dog._thread) - before <= 1, "the watchdog woke while steps were made"
         with dog.paused():  # an evaluation longer than the bound: no stall
             time.sleep(2.0)
         assert not fired

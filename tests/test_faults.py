@@ -189,11 +189,6 @@ def test_repro_deterministic_turns_on_deterministic_algorithms(tmp_path, monkeyp
     assert torch.are_deterministic_algorithms_enabled() == before
 
 
-def _wakeups(thread) -> int:
-    with open(f"/proc/self/task/{thread.native_id}/status") as f:
-        return int(next(x for x in f if x.startswith("voluntary_ctxt_switches")).split()[1])
-
-
 def test_a_rank_sees_its_launcher_end_without_polling_for_it():
     """The watch sleeps on a pidfd of the launcher: no wake-up while it runs (a thread that
     looked twice a second took the GIL from a busy CPU's steps), and the end noticed at once."""
@@ -207,9 +202,9 @@ def test_a_rank_sees_its_launcher_end_without_polling_for_it():
     watch.start()
     try:
         time.sleep(0.2)
-        before = _wakeups(watch._thread)
+        before = helpers.thread_wakeups(watch._thread)
         time.sleep(1.5)
-        assert _wakeups(watch._thread) == before and not gone.is_set()
+        assert helpers.thread_wakeups(watch._thread) == before and not gone.is_set()
         launcher.kill()
         t = time.monotonic()
         assert gone.wait(5) and time.monotonic() - t < 0.5
