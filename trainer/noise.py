@@ -32,13 +32,14 @@ _BACKTRACE = re.compile(rb"^Exception raised from \S+ at \S+ \(most recent call 
 _FRAME = re.compile(rb"^(?:frame #\d+: |<omitting python frames>)")
 
 
-class C10dNoise:
-    """Line by line: is this line c10d's rendezvous retry noise? A C++ backtrace counts only
-    right after such a line (it is that warning's continuation), through the blank line that
-    ends it; a backtrace anywhere else is kept."""
+class CppLogLines:
+    """Line by line: is this line one that `header` matches, or the C++ backtrace right after
+    such a line (its continuation), through the blank line that ends it? A backtrace anywhere
+    else is not."""
 
-    def __init__(self) -> None:
-        self._after_noise = False
+    def __init__(self, header: re.Pattern) -> None:
+        self.header = header
+        self._after_header = False
         self._in_frames = False
 
     def known(self, raw: bytes) -> bool:
@@ -48,14 +49,21 @@ class C10dNoise:
             self._in_frames = False
             if not raw.strip():
                 return True  # the blank line that closes the backtrace
-        if _C10D.match(raw):
-            self._after_noise = True
+        if self.header.match(raw):
+            self._after_header = True
             return True
-        if self._after_noise and _BACKTRACE.match(raw):
+        if self._after_header and _BACKTRACE.match(raw):
             self._in_frames = True
             return True
-        self._after_noise = False
+        self._after_header = False
         return False
+
+
+class C10dNoise(CppLogLines):
+    """Line by line: is this line c10d's rendezvous retry noise (with its C++ backtrace)?"""
+
+    def __init__(self) -> None:
+        super().__init__(_C10D)
 
 
 @contextlib.contextmanager

@@ -704,12 +704,11 @@ class StderrFilter:
     C10D = re.compile(rb"^\[[IWEF]\d{4} [\d:.]+ \w+\.cpp:\d+\] \[c10d\] ")
     """c10d's C++ log lines (a store connection that broke: `recvVector failed on SocketImpl`),
     each followed by its C++ backtrace: torchrun's own words, held as AGENT's are."""
-    CPP = re.compile(rb"^(?:Exception raised from \S+ at |frame #\d+: |<omitting python frames>)")
     FAILED = re.compile(rb"failed \(exitcode: ")
     SIGNALLED = re.compile(rb"Received \d+ death signal, shutting down workers")
 
     def __init__(self, stream) -> None:
-        from trainer.noise import C10dNoise
+        from trainer.noise import C10dNoise, CppLogLines
 
         self.stream = stream
         self.held: list[bytes] = []
@@ -725,8 +724,8 @@ class StderrFilter:
         self.block: Traceback | None = None
         self.rendezvous: Traceback | None = None
         """torchrun's traceback for a rendezvous this node could not join or lost, held back."""
-        self.cpp = False
-        """Inside a held c10d line's C++ backtrace (it ends at a blank line)."""
+        self.c10d = CppLogLines(self.C10D)
+        """c10d's C++ log lines and their backtraces (held)."""
 
     def _write(self, *chunks: bytes) -> None:
         buffer = getattr(self.stream, "buffer", None)
@@ -748,7 +747,7 @@ class StderrFilter:
             self.held.append(raw)
         elif self.noise.known(raw):
             return
-        elif self._cpp_log(raw):
+        elif self.c10d.known(raw):
             self.held.append(raw)
         elif raw.startswith(self.RANK_LINES):
             self.errors.append(raw)
@@ -777,19 +776,6 @@ class StderrFilter:
             self.held.clear()
             self.failed = False
             self.started = True
-
-    def _cpp_log(self, raw: bytes) -> bool:
-        """Whether `raw` is a c10d C++ log line or a line of the backtrace that follows it."""
-        if self.cpp:
-            if self.CPP.match(raw):
-                return True
-            self.cpp = False
-            if not raw.strip():
-                return True  # the blank line that closes the backtrace
-        if self.C10D.match(raw):
-            self.cpp = True
-            return True
-        return False
 
     def _end_block(self) -> None:
         block, self.block = self.block, None
