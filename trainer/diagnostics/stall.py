@@ -180,8 +180,6 @@ class Watchdog:
     _c_file: object = None
     _c_at: float | None = None
     """When the armed C dump fires (time.monotonic()); None: not armed."""
-    _c_paused: bool = False
-    """The running pause cancelled the C dump: its end arms it again."""
 
     def beat(self, step: int) -> None:
         self.step, self.at = step, time.monotonic()
@@ -208,16 +206,14 @@ class Watchdog:
         c_at = self._c_at
         if self.pause_depth == 1 and c_at is not None and c_at - time.monotonic() < C_GUARD_S:
             self._cancel_c_dump()
-            self._c_paused = True
         try:
             yield
         finally:
             self.pause_depth -= 1
             self.at = time.monotonic()
             if not self.pause_depth:
-                if self._c_paused and self._thread is not None:
-                    self._arm_c_dump(self.bound + C_MARGIN_S)
-                self._c_paused = False
+                if self._c_at is None and self._c_file is not None and self._thread is not None:
+                    self._arm_c_dump(self.bound + C_MARGIN_S)  # this pause (or a long one) ended it
                 if self._idle:  # else its deadline (from an earlier `at`) is still a safe one
                     self._wake.set()
 
