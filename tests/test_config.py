@@ -56,6 +56,7 @@ def test_named_preset_and_run_dir_round_trip(tmp_path):
         (["optim.lr=-1"], ["optim.lr", "> 0"]),
         (["data.global_batch_size=0"], ["data.global_batch_size", "> 0"]),
         (["optim.betas=[0.9]"], ["optim.betas", "two values"]),
+        (["optim.name=sgd", "optim.fused=true"], ["optim.fused=true is for adam and adamw"]),
         (["lr"], ["key=value"]),
     ],
 )

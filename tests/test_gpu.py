@@ -44,6 +44,25 @@ def test_a_gpu_checkpoint_evaluates_and_resumes_on_the_cpu(tmp_path):
     assert "resumed from" in p.stdout and "world 1 x cpu" in p.stdout
 
 
+def test_adamw_is_fused_and_the_loss_compiled_on_the_gpu_and_a_cpu_checkpoint_resumes_fused(
+    tmp_path,
+):
+    """The defaults on a GPU: AdamW's fused kernel, and under compile the loss in the forward's
+    graph (run.json's fast_paths). A checkpoint written on the CPU (foreach, its step counters
+    on the CPU) resumes there fused: the fused kernel reads the counters on the GPU."""
+    gpt = [*helpers.TINY_GPT, "ckpt.every_epochs=0", "ckpt.every_steps=2", "train.precision=bf16"]
+    gpu = ["dist.device=cuda", "train.compile=true"]
+    trainer("train", *gpt, *gpu, "train.max_steps=4", f"run_dir={tmp_path / 'a'}", timeout=600)
+    fast = json.loads((tmp_path / "a" / "run.json").read_text())["fast_paths"]
+    assert fast == {"loss_compiled": True, "fused_optimizer": True}
+    trainer("train", *gpt, "train.max_steps=2", f"run_dir={tmp_path / 'b'}")
+    p = trainer("train", *gpt, *gpu, "train.max_steps=4", f"run_dir={tmp_path / 'b'}", timeout=600)
+    assert "resumed from" in p.stdout
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["fast_paths"]["fused_optimizer"]
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["train"]["loss"] < 6
+
+
 def test_fp16_with_grad_scaler_trains(tmp_path):
     trainer("train", *LENET, "train.precision=fp16", f"run_dir={tmp_path}")
     summary = json.loads((tmp_path / "summary.json").read_text())

@@ -317,20 +317,36 @@ def test_tensorboard_events_hold_the_logged_scalars(tmp_path):
 
 @pytest.mark.slow
 def test_compiled_model_trains_and_saves_plain_weights(tmp_path, monkeypatch):
-    """In this process (no startup twice): train.compile=true calls torch.compile once, and the
-    weights it saves are the eager run's, under plain names."""
+    """In this process (no startup twice): train.compile=true compiles the model, and the step's
+    forward with the task's loss as one function, whose graph holds the loss (traced while
+    compiling); train.compile_loss=false compiles the model alone and runs the loss eagerly. The
+    weights each saves are the eager run's, under plain names."""
+    from trainer import tasks
     from trainer.train import train
 
     compiled, real = [], torch.compile
     monkeypatch.setattr(torch, "compile", lambda m, *a, **k: compiled.append(m) or real(m, *a, **k))
+    traced, loss = [], tasks.Classification.loss
+
+    def spied(self, output, batch):
+        traced.append(torch.compiler.is_compiling())
+        return loss(self, output, batch)
+
+    monkeypatch.setattr(tasks.Classification, "loss", spied)
     one_shape = ["data.global_batch_size=3"]  # 9 samples: no tail batch, so one compiled graph
-    train(config.load(None, [*TINY, *one_shape, "train.compile=true", f"run_dir={tmp_path / 'c'}"]))
-    assert len(compiled) == 1
-    train(config.load(None, [*TINY, *one_shape, f"run_dir={tmp_path / 'e'}"]))
-    assert len(compiled) == 1  # the eager run compiled nothing
-    c, e = weights(tmp_path / "c"), weights(tmp_path / "e")
-    assert c.keys() == e.keys() and not any("_orig_mod" in k for k in c)
-    assert _max_rel(c, e) <= 1e-4
+    runs = {"c": ["train.compile=true"], "m": ["train.compile=true", "train.compile_loss=false"]}
+    made = {}
+    for name, how in {**runs, "e": []}.items():
+        before, traced[:] = len(compiled), []
+        train(config.load(None, [*TINY, *one_shape, *how, f"run_dir={tmp_path / name}"]))
+        recorded = json.loads((tmp_path / name / "run.json").read_text())["fast_paths"]
+        made[name] = (len(compiled) - before, any(traced), recorded["loss_compiled"])
+    assert made == {"c": (2, True, True), "m": (1, False, False), "e": (0, False, False)}
+    e = weights(tmp_path / "e")
+    for name in runs:
+        c = weights(tmp_path / name)
+        assert c.keys() == e.keys() and not any("_orig_mod" in k for k in c)
+        assert _max_rel(c, e) <= 1e-4
 
 
 @pytest.mark.parametrize(
@@ -385,3 +401,46 @@ def test_backward_starts_from_the_loss_factor_and_survives_a_backward_that_chang
         step(batch, 8), ref_step(batch, 8)
         mine, theirs = model.state_dict(), ref.state_dict()
         assert all(torch.equal(mine[k], theirs[k]) for k in theirs), f"step {i + 1}"
+
+
+# --- optim.fused: Adam/AdamW's fused kernel -------------------------------------------------------
+
+
+def test_adamw_is_fused_where_every_parameter_is_on_a_gpu_unless_the_config_says():
+    from types import SimpleNamespace
+
+    from trainer.optim import uses_fused
+
+    cpu, gpu = torch.zeros(2), SimpleNamespace(device=torch.device("cuda", 0))
+    assert [uses_fused(None, p) for p in ([cpu], [gpu, gpu], [gpu, cpu], [])] == [
+        False, True, False, False,
+    ]  # fmt: skip
+    assert uses_fused(None, [{"params": [gpu]}, {"params": [gpu]}])  # parameter groups
+    assert uses_fused(True, [cpu]) and not uses_fused(False, [gpu])
+    for choice, fused in ((None, None), (True, True), (False, None)):
+        cfg = config.load(None, [f"optim.fused={'null' if choice is None else choice}"]).optim
+        opt = build_optimizer(cfg, torch.nn.Linear(2, 2).parameters())
+        assert opt.param_groups[0]["fused"] is fused  # None: torch's default, as before
+
+
+def test_a_loaded_optimizer_state_keeps_this_runs_kernels():
+    """torch's load_state_dict takes param_groups' fused/foreach from the checkpoint: a resume
+    with optim.fused changed would run the saving run's kernel. Loaded within own_kernels, the
+    groups keep this optimizer's, and the state (moments, step) is the checkpoint's."""
+    from trainer.namedstate import own_kernels
+
+    model = torch.nn.Linear(3, 2)
+    model(torch.randn(4, 3)).sum().backward()
+    saver = torch.optim.AdamW(model.parameters(), fused=True)
+    saver.step()
+    saved = saver.state_dict()
+    for fused in (None, False):
+        loader = torch.optim.AdamW(model.parameters(), fused=fused)
+        with own_kernels(loader):
+            loader.load_state_dict(saved)
+        assert loader.param_groups[0]["fused"] is fused
+        got = loader.state_dict()["state"][0]
+        assert all(torch.equal(got[k], saved["state"][0][k]) for k in ("exp_avg", "step"))
+    plain = torch.optim.AdamW(model.parameters())
+    plain.load_state_dict(saved)
+    assert plain.param_groups[0]["fused"] is True  # what own_kernels undoes

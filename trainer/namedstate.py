@@ -127,13 +127,37 @@ def load_sharded(parts: ModelParts, optimizer, state: dict, flat: bool = True) -
     # and skips that where a gradient is set: then it would load nothing. A resume comes before
     # any step, so a gradient here is stale anyway.
     optimizer.zero_grad(set_to_none=True)
-    set_state_dict(
-        parts.view,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=_renamed(state["optim"], parts.aliases, back=True),
-        options=_options(flatten_optimizer_state_dict=flat),
-    )
+    with own_kernels(optimizer):
+        set_state_dict(
+            parts.view,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=_renamed(state["optim"], parts.aliases, back=True),
+            options=_options(flatten_optimizer_state_dict=flat),
+        )
+
+
+KERNEL_KEYS = ("fused", "foreach", "capturable")
+"""The param_groups entries that say which kernels an optimizer runs, not what it learns."""
+
+
+@contextlib.contextmanager
+def own_kernels(optimizer: torch.optim.Optimizer):
+    """A load that keeps this run's kernel choice (optim.fused): torch's load_state_dict takes
+    every param_groups entry from the checkpoint, the saving run's fused/foreach among them.
+    After the load each group's kernel keys are this optimizer's again, and a fused or
+    capturable group's step counters sit on their parameter's device, where its kernel reads
+    them (an unfused run keeps them on the CPU)."""
+    kept = [{k: g[k] for k in KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+    yield
+    for group, own in zip(optimizer.param_groups, kept, strict=True):
+        group.update(own)
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for p in group["params"]:
+            step = optimizer.state.get(p, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.device != p.device:
+                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
 
 
 def _renamed(flat: dict, aliases: dict[str, str], back: bool = False) -> dict:
@@ -206,14 +230,16 @@ def load_whole(
         if not sharded or not optim["state"]:  # whole, or nothing to cut (SGD: no state)
             optim = _by_index(optim, parts.view, optimizer, exact=not sharded)
             # Copies: torch keeps the tensors it is given, which map the checkpoint's file.
-            optimizer.load_state_dict(tree_map_only(torch.Tensor, torch.clone, optim))
+            with own_kernels(optimizer):
+                optimizer.load_state_dict(tree_map_only(torch.Tensor, torch.clone, optim))
         else:
             # DCP makes the optimizer's state first (a step on zero gradients at lr 0), and
             # skips that where a gradient is set; a parameter the saved state lacks (it never
             # had a gradient) keeps that fresh state (strict=False).
             optimizer.zero_grad(set_to_none=True)
             options = _options(full_state_dict=True, strict=False)
-            set_optimizer_state_dict(parts.view, optimizer, optim, options=options)
+            with own_kernels(optimizer):
+                set_optimizer_state_dict(parts.view, optimizer, optim, options=options)
     load_weights(parts.view, model)  # after DCP's step at lr 0: nothing of it stays
 
 

@@ -10,7 +10,7 @@ import torch
 from trainer import params as _params
 from trainer import registry
 from trainer.config import OptimConfig, SchedConfig
-from trainer.errors import UsageError
+from trainer.errors import UsageError, first_line
 
 
 def build(cfg: OptimConfig, model: torch.nn.Module, whole=None) -> torch.optim.Optimizer:
@@ -33,7 +33,30 @@ def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
             weight_decay=cfg.weight_decay,
         )
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay)
+    params = list(params)
+    fused = uses_fused(cfg.fused, params)
+    try:  # None, not False, where unfused: torch's default, and the state_dict it always had
+        return cls(
+            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+            fused=fused or None,
+        )  # fmt: skip
+    except RuntimeError as e:
+        if not fused:
+            raise
+        raise UsageError(
+            f"optim.fused=true: torch has no fused {cls.__name__} for these parameters "
+            f"({first_line(e)}): set optim.fused=null (fused where every parameter is on a GPU)"
+        ) from None
+
+
+def uses_fused(choice: bool | None, params: list) -> bool:
+    """Whether Adam/AdamW runs its fused kernel: optim.fused's choice, or (null) where every
+    parameter is on a GPU (the parameters of a run on the CPU keep torch's foreach default,
+    and the bits every CPU test and checkpoint holds)."""
+    if choice is not None:
+        return choice
+    tensors = _tensors(params)
+    return bool(tensors) and all(p.device.type == "cuda" for p in tensors)
 
 
 def _plugin(cfg: OptimConfig, params) -> torch.optim.Optimizer:

@@ -34,6 +34,21 @@ from trainer.tasks import Task, checked_count, checked_loss, forward, no_terms
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def compiled_loss(cfg: TrainConfig, parts: ModelParts, mesh: Mesh, task: Task) -> tuple:
+    """(the wrapped model before torch.compile, the task's forward and loss compiled as one
+    function of (model, batch)) under train.compile and train.compile_loss, else (None, None).
+    A whole model only: a pipeline's last stage computes the loss in its schedule, and under tp
+    the loss may be a DTensor; both keep their compiled parts and an eager loss."""
+    inner = getattr(parts.running, "_orig_mod", None)
+    if not (cfg.compile and cfg.compile_loss) or inner is None or mesh.layout.model_parallel:
+        return None, None
+
+    def model_loss(model: nn.Module, batch) -> torch.Tensor:
+        return task.loss(task.forward(model, batch), batch)
+
+    return inner, torch.compile(model_loss)
+
+
 def make_scaler(cfg: TrainConfig, device: str) -> torch.amp.GradScaler:
     """fp16's loss scaler (a disabled pass-through otherwise); its state is checkpointed."""
     return torch.amp.GradScaler(
@@ -84,8 +99,16 @@ class TrainStep:
         self._world_size = self.mesh.data_size
         self._contributes = self.mesh.contributes
         self._running = self.parts.running
+        self._inner, self._compiled_loss = compiled_loss(self.cfg, self.parts, self.mesh, self.task)
         self._no_sync = no_sync_for(self._running)
         self._clip_to = clipper(self.parts, self.mesh)
+
+    @property
+    def fast_paths(self) -> dict[str, bool]:
+        """What run.json records of the kernels this step chose: the loss compiled with the
+        forward (train.compile_loss), Adam's fused update (optim.fused)."""
+        fused = any(bool(g.get("fused")) for g in self.optimizer.param_groups)
+        return {"loss_compiled": self._compiled_loss is not None, "fused_optimizer": fused}
 
     @property
     def model(self) -> nn.Module:
@@ -166,8 +189,13 @@ class TrainStep:
             return self._forward_loss(batch)
 
     def _forward_loss(self, batch) -> torch.Tensor:
-        """The forward (timed for the straggler report) and the task's summed loss."""
+        """The forward (timed for the straggler report) and the task's summed loss; under
+        train.compile_loss both in one compiled graph (timed together)."""
         self.forward_s.start()
+        if self._compiled_loss is not None:
+            loss = forward(self.task, self._inner, batch, via=self._compiled_loss)
+            self.forward_s.stop()
+            return checked_loss(self.task, loss)
         out = forward(self.task, self._running, batch)
         self.forward_s.stop()
         return checked_loss(self.task, self.task.loss(out, batch))

@@ -248,6 +248,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "argv": sys.argv,
         "data": run.data.source,
         "kernels": repro.kernel_set(w.device),
+        "fast_paths": run.step.fast_paths,
         "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
         "startup": startup.report(),
     }

@@ -24,7 +24,8 @@ RESUMABLE_CHANGES = (
     "train.eval_every_steps",
     "train.eval_every_epochs",
     "train.micro_batch_size",
-    "train.compile",
+    "train.compile",  # and train.compile_loss
+    "optim.fused",  # kernels: the checkpoint's own choice is not loaded (namedstate.own_kernels)
     "train.channels_last",
     "train.activation_checkpointing",
     "fsdp.",

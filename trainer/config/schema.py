@@ -282,6 +282,11 @@ class OptimConfig:
     """SGD: Nesterov momentum."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     """Adam/AdamW betas."""
+    fused: bool | None = None
+    """Adam/AdamW's fused kernel (one kernel updates every parameter): null, the default, uses it
+    where every parameter is on a GPU and leaves CPU runs on torch's default (foreach); true
+    uses it on any device torch has it for (a CPU too); false never. A resume keeps this run's
+    choice, whatever the checkpoint's run chose."""
     decay: str = "all"
     """all: weight_decay on every parameter (the presets' numbers) | no_bias_norm: none on
     biases and norm weights (every 1-d parameter), nanoGPT's and fine-tuning recipes' rule."""
@@ -319,6 +324,11 @@ class OptimConfig:
         if len(self.betas) != 2:
             raise UsageError(
                 f"optim.betas: needs two values like [0.9,0.999], got {_number_text(self.betas)}"
+            )
+        if self.fused and self.name not in ("adam", "adamw"):
+            raise UsageError(
+                f"optim.fused=true is for adam and adamw, not optim.name={self.name}: drop it "
+                "(a plug-in optimizer takes its own options through optim.kwargs)"
             )
 
 
@@ -449,6 +459,11 @@ class TrainConfig:
     """Clip the global gradient norm to this value (after the all-reduce, before the step)."""
     compile: bool = False
     """torch.compile the model (after DDP wrapping)."""
+    compile_loss: bool = True
+    """With train.compile: the training step compiles the task's loss in one graph with the
+    model's forward, so the logits reach the loss inside it (no fp32 copy of a language model's
+    logits between them). false: the loss runs eagerly on the compiled model's output. A
+    pipeline (pp) or tensor-parallel (tp) layout compiles the model alone either way."""
     channels_last: bool = False
     """channels_last memory format for 4-D inputs and conv weights (faster convs on GPU)."""
     activation_checkpointing: bool = False
