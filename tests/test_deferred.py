@@ -136,6 +136,7 @@ def test_runs_that_split_the_model_build_it_deferred(tmp_path):
                    config_file="stdlib-gpt")  # fmt: skip
         record = json.loads((run / "run.json").read_text())
         assert record["model_build"] == built, (strategy, record["model_build"])
+        assert 0 < record["build_s"] < 60  # data, model and layout, optimizer: seconds
     assert os.path.exists(tmp_path / "fsdp" / "final" / "model.safetensors")
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -101,6 +102,9 @@ class Run:
     deferred: bool = False
     """The model was built without storage and only this rank's part materialized
     (trainer/deferred.py), or built whole (False)."""
+    build_s: float | None = None
+    """Seconds `build` took on this rank: the data, the model (whole or deferred) laid out on
+    its device, the optimizer, and the resume or fresh start."""
     model_forward: Callable | None = None
     """A split model's evaluation forward (batch -> output on the last stage), None for a whole
     one (trainer/parallel/stages.py)."""
@@ -216,6 +220,7 @@ def build(
 ) -> Run:
     """Data, task, model, its layout, optimizer and schedule, then the resume (or a fresh
     start): the Run, complete."""
+    began = time.perf_counter()
     mesh, plugins = meshes.build(world, dims), plugins or Plugins()  # a DeviceMesh if split
     spec, task = data_and_task(cfg, world.device, plugins)
     model, later, whole_why = _built(cfg, spec, plugins, world.device, _defers(cfg, dims, plugins))
@@ -259,7 +264,7 @@ def build(
         ckpt=ckpt, log=log, stop=stop, state=state.loop, results=state.results, resumed=resumed,
         steps_per_epoch=per_epoch, total_steps=total, started=started, flops_per_sample=flops,
         peak_flops=peak, model_forward=stages.evaluator(parts.pipe, task, world.device),
-        deferred=later is not None,
+        deferred=later is not None, build_s=time.perf_counter() - began,
         watchdog=_watchdog(cfg, world), hosts=hosts,
         stragglers=Stragglers(world.size) if world.is_main else None, folder_chosen=folder_chosen,
     )  # fmt: skip

@@ -241,6 +241,7 @@ def _run_record(run: Run, hosts: list | None) -> dict:
         "backend": w.backend,
         "strategy": run.mesh.dims.name,
         "model_build": "deferred" if run.deferred else "whole",
+        "build_s": run.build_s,
         "restart_count": w.restart_count,
         "slurm_restart_count": _slurm_restarts(os.environ),
         "git": repro.git_commit() if w.is_main else None,
