@@ -181,6 +181,7 @@ class Row:
     nproc: int = 1
     threads: int | None = 1  # OMP_NUM_THREADS per process; None: 1 unless the user set it
     metric: str = "samples_per_s"  # | "first_step_s" (launch to first step) | "wall_s" | "ratio"
+    # | "ckpt_stall_s" | "build_s" (run.json's: data, model, layout, optimizer)
     group: str = "throughput"
     load: str | None = None  # a background load that runs beside it (bench/busy.py LOADS)
 
@@ -838,6 +839,7 @@ def _run_one(row: Row, work: Path, timeout: float | None, launch) -> dict:
         windows, first = train_windows(text), first_step_time(text)
         summary = json.loads((run_dir / "summary.json").read_text())
         out = {"peak_gpu_memory_gib": summary.get("peak_gpu_memory_gib"), "run_dir": str(run_dir)}
+        out["build_s"], out["fast_paths"] = summary.get("build_s"), summary.get("fast_paths")
         out["flops_per_sample"] = summary.get("flops_per_sample")  # the trainer's count (GPUs)
         if tokens := train_windows(text, "tokens_per_s"):
             out["tokens_per_s"] = steady(tokens)

@@ -19,6 +19,15 @@ issue's targets printed beside the numbers:
   data.name=imagefolder with loader workers: images/s and the share of the step spent waiting
   for data (steady state: the median of the log windows). Target: data wait <= 5%.
 
+Then what a GPU may show differently from the CPU this was built on (issue 57), each row beside
+its reference row in the same run: the GPT with its loss outside the compiled graph
+(train.compile_loss=false) and with AdamW's foreach kernels (optim.fused=false), against the
+first row (loss in the graph, fused AdamW: the defaults on a GPU; run.json's fast_paths, kept
+in each row's JSON, says which ran); the GPT built whole and built deferred (FSDP at world 1:
+run.json's build_s), each with `trainer plan`'s expected memory against its measured
+torch.cuda.max_memory_allocated; ResNet-50 with fewer loader workers. The image rows' workers
+are as many as /dev/shm holds (loader_workers: a container's 64 MB default ends in a bus error).
+
 The data are generated at start into a temporary folder: random token ids (train.bin, test.bin,
 tokens.json) and JPEGs of ImageNet's typical size (500 x 375). A row that fails, or runs past its
 time, is recorded with its error and the others still run; the JSON (bench/results/
@@ -85,6 +94,8 @@ class Sizes:
     image_steps: int
     image_every: int
     workers: int
+    few_workers: int  # the worker-count row
+    build_steps: int  # the build rows: a few steps after the build
     timeouts: dict  # row group -> seconds
 
 
@@ -92,21 +103,27 @@ GPU = Sizes(
     layers=12, heads=12, width=768, seq=1024, vocab=50304, batch=16, train_tokens=8_000_000,
     steps=120, every=10, ckpt_steps=320, ckpt_every=80, wi_steps=40, wi_every=5, compile=True,
     images=8192, classes=10, jpeg_hw=(375, 500), image_size=224, image_model="resnet50", image_batch=256,
-    image_steps=96, image_every=8, workers=12,
-    timeouts={"gpt": 240, "ckpt": 150, "invariant": 120, "resnet": 150},
+    image_steps=96, image_every=8, workers=12, few_workers=4, build_steps=10,
+    timeouts={"gpt": 240, "ckpt": 150, "invariant": 120, "resnet": 150, "build": 90},
 )  # fmt: skip
 TINY = Sizes(
     layers=2, heads=2, width=32, seq=32, vocab=256, batch=8, train_tokens=40_000,
     steps=6, every=2, ckpt_steps=8, ckpt_every=2, wi_steps=6, wi_every=2, compile=False,
     images=32, classes=2, jpeg_hw=(20, 24), image_size=16, image_model="resnet18", image_batch=4,
-    image_steps=4, image_every=2, workers=2,
-    timeouts={"gpt": 120, "ckpt": 120, "invariant": 120, "resnet": 120},
+    image_steps=4, image_every=2, workers=2, few_workers=1, build_steps=2,
+    timeouts={"gpt": 120, "ckpt": 120, "invariant": 120, "resnet": 120, "build": 120},
 )  # fmt: skip
 
 GPT_ROW = "GPT-2-small, bf16 + compile"
 BLOCKING, BACKGROUND = "GPT-2-small, blocking saves", "GPT-2-small, background saves"
 PLAIN, INVARIANT = "GPT-2-small, deterministic", "GPT-2-small, deterministic + world_invariant"
 RESNET = "ResNet-50 224 px, image folder, bf16 + channels_last"
+# What a GPU may show differently (issue 57's list), each beside its reference row in one run:
+LOSS_OUT = "GPT-2-small, bf16 + compile, loss outside the graph"
+FOREACH = "GPT-2-small, bf16 + compile, AdamW foreach (not fused)"
+WHOLE_BUILD = "GPT-2-small, built whole (one process)"
+DEFERRED_BUILD = "GPT-2-small, built deferred (FSDP at world 1)"
+FEW_WORKERS = "ResNet-50 224 px, image folder, fewer loader workers"
 
 # (headline, what it reads, target): ("<=", x) is met at or below x, a number at or above it.
 TARGETS = {
@@ -116,6 +133,12 @@ TARGETS = {
     "world_invariant / plain, world 1": None,
     "ResNet-50 data wait (steady state)": ("<=", 0.05),
     "ResNet-50 images/s": None,
+    "loss in the compiled graph / outside it, tokens/s": None,
+    "fused AdamW / foreach, tokens/s": None,
+    "deferred build / whole build, seconds": None,
+    "trainer plan / measured peak GPU memory, whole": None,
+    "trainer plan / measured peak GPU memory, deferred": None,
+    "ResNet-50 data wait, fewer loader workers": None,
 }
 
 
@@ -203,16 +226,22 @@ def _steps(steps: int, every: int) -> tuple[str, ...]:
     return (f"train.max_steps={steps}", f"log.every_steps={every}")
 
 
-def rows(sizes: Sizes, tokens: str, images: str, device: str) -> list[bench.Row]:
-    """The suite's rows, most wanted first (a run cut short keeps the first ones)."""
+def rows(
+    sizes: Sizes, tokens: str, images: str, device: str, workers: int | None = None
+) -> list[bench.Row]:
+    """The suite's rows, most wanted first (a run cut short keeps the first ones): issue 42's
+    headline rows, then what a GPU may show differently, each beside its reference row.
+    `workers`: the loader workers /dev/shm has room for (loader_workers), else sizes.workers."""
     s, gpt = sizes, gpt_base(sizes, tokens, device)
+    workers = s.workers if workers is None else workers
     compiled = ("train.compile=true",) if s.compile else ()
+    fast = (*gpt, *_steps(s.steps, s.every), *compiled)
     ckpt = (*gpt, *_steps(s.ckpt_steps, s.ckpt_every), f"ckpt.every_steps={s.ckpt_every}")
     ckpt += ("ckpt.keep_last=2",)
     det = (*gpt, *_steps(s.wi_steps, s.wi_every), "repro.deterministic=true")
     resnet = (
         "data.name=imagefolder", f"data.root={images}", f"data.image_size={s.image_size}",
-        f"data.num_workers={s.workers}", "data.persistent_workers=true", "data.pin_memory=true",
+        "data.persistent_workers=true", "data.pin_memory=true",
         f"data.global_batch_size={s.image_batch}", f"data.eval_batch_size={s.image_batch}",
         "data.drop_last=true", f"model.name=torchvision.models:{s.image_model}",
         f"model.kwargs.num_classes={s.classes}", "train.precision=bf16",
@@ -221,22 +250,61 @@ def rows(sizes: Sizes, tokens: str, images: str, device: str) -> list[bench.Row]
         "log.tensorboard=false", "log.progress=plain", f"dist.device={device}",
         "dist.stall_s=0", *_steps(s.image_steps, s.image_every),
     )  # fmt: skip
+    few = min(s.few_workers, workers)
+    build = (*gpt, *_steps(s.build_steps, s.build_steps))
     g, c, i = "GPT-2-small throughput", "checkpoint stall per save", "world_invariant cost"
+    r, b = "ResNet-50, JPEG folder", "GPT-2-small build and plan"
     return [
-        bench.Row(GPT_ROW, "trainer", (*gpt, *_steps(s.steps, s.every), *compiled), threads=None,
-                  group=g),
+        bench.Row(GPT_ROW, "trainer", fast, threads=None, group=g),
         bench.Row(BLOCKING, "trainer", (*ckpt, "ckpt.async_save=false"), threads=None,
                   metric="ckpt_stall_s", group=c),
         bench.Row(BACKGROUND, "trainer", ckpt, threads=None, metric="ckpt_stall_s", group=c),
         bench.Row(PLAIN, "trainer", det, threads=None, group=i),
         bench.Row(INVARIANT, "trainer", (*det, "repro.world_invariant=true"), threads=None,
                   group=i),
-        bench.Row(RESNET, "trainer", resnet, threads=None, group="ResNet-50, JPEG folder"),
+        bench.Row(RESNET, "trainer", (*resnet, f"data.num_workers={workers}"), threads=None,
+                  group=r),
+        bench.Row(LOSS_OUT, "trainer", (*fast, "train.compile_loss=false"), threads=None, group=g),
+        bench.Row(FOREACH, "trainer", (*fast, "optim.fused=false"), threads=None, group=g),
+        bench.Row(WHOLE_BUILD, "trainer", (*build, "dist.strategy=none"), threads=None,
+                  metric="build_s", group=b),
+        bench.Row(DEFERRED_BUILD, "trainer", (*build, "dist.strategy=fsdp"), threads=None,
+                  metric="build_s", group=b),
+        bench.Row(FEW_WORKERS, "trainer", (*resnet, f"data.num_workers={few}"), threads=None,
+                  group=r),
     ]  # fmt: skip
 
 
+PLANNED = (WHOLE_BUILD, DEFERRED_BUILD)
+"""The rows `trainer plan` predicts the memory of (run_one): uncompiled, one process."""
+
+SHM_BATCHES = 2
+"""Batches a loader worker holds in /dev/shm at once (torch's DataLoader prefetch_factor)."""
+
+
+def loader_workers(wanted: int, shm_bytes: int | None, batch_bytes: int) -> tuple[int, str | None]:
+    """(loader workers for the image rows, why fewer than `wanted` or None): each worker's
+    batches pass through /dev/shm, so a container's small one (Docker's default is 64 MB) ends
+    the row in a bus error. As many as /dev/shm holds with a quarter spare, at least one."""
+    need = wanted * SHM_BATCHES * batch_bytes
+    if shm_bytes is None or shm_bytes * 3 // 4 >= need:
+        return wanted, None
+    fit = max(1, shm_bytes * 3 // 4 // (SHM_BATCHES * batch_bytes))
+    return min(fit, wanted), (
+        f"/dev/shm holds {shm_bytes / 2**30:.2f} GiB, and {wanted} workers x {SHM_BATCHES} "
+        f"batches of {batch_bytes / 2**20:.0f} MiB need {need / 2**30:.2f} GiB: "
+        f"{min(fit, wanted)} worker(s)"
+    )
+
+
+def image_batch_bytes(sizes: Sizes) -> int:
+    """One loader batch of float32 images (the upper bound: a batch as the model takes it)."""
+    return sizes.image_batch * 3 * sizes.image_size**2 * 4
+
+
 TIMEOUT_GROUP = {GPT_ROW: "gpt", BLOCKING: "ckpt", BACKGROUND: "ckpt", PLAIN: "invariant",
-                 INVARIANT: "invariant", RESNET: "resnet"}  # fmt: skip
+                 INVARIANT: "invariant", RESNET: "resnet", LOSS_OUT: "gpt", FOREACH: "gpt",
+                 WHOLE_BUILD: "build", DEFERRED_BUILD: "build", FEW_WORKERS: "resnet"}  # fmt: skip
 
 
 # --- the numbers from the rows: pure ------------------------------------------------------------
@@ -353,7 +421,61 @@ def headline(results: dict, sizes: Sizes, device: str | None) -> dict:
         "ResNet-50 images/s", res["median"] if res else None, "images/s", [RESNET],
         reason=_why(results, RESNET),
     )  # fmt: skip
+    return {**out, **_differences(results)}
+
+
+def _differences(results: dict) -> dict:
+    """What a GPU may show differently (issue 57): each row against its reference row."""
+    out = {}
+    name = "loss in the compiled graph / outside it, tokens/s"
+    peaks = {n: _peak(results, n) for n in (GPT_ROW, LOSS_OUT)}
+    out[name] = _against(results, name, GPT_ROW, LOSS_OUT, peak_gpu_memory_gib=peaks)
+    name = "fused AdamW / foreach, tokens/s"
+    out[name] = _against(results, name, GPT_ROW, FOREACH)
+    name = "deferred build / whole build, seconds"
+    out[name] = _against(results, name, DEFERRED_BUILD, WHOLE_BUILD)
+    for row, kind in ((WHOLE_BUILD, "whole"), (DEFERRED_BUILD, "deferred")):
+        name = f"trainer plan / measured peak GPU memory, {kind}"
+        value, reason, planned = _plan_against_peak(results, row)
+        out[name] = _number(name, value, "ratio", [row], reason=reason, planned_bytes=planned,
+                            measured_gib=_peak(results, row))  # fmt: skip
+    few = _ok(results, FEW_WORKERS)
+    wait = few["runs"][0].get("data_wait_pct") if few else None
+    name = "ResNet-50 data wait, fewer loader workers"
+    out[name] = _number(
+        name, wait / 100 if wait is not None else None, "fraction", [FEW_WORKERS],
+        reason=_why(results, FEW_WORKERS), images_per_s=few["median"] if few else None,
+    )  # fmt: skip
     return out
+
+
+def _peak(results: dict, name: str) -> float | None:
+    r = _ok(results, name)
+    return r["runs"][0].get("peak_gpu_memory_gib") if r else None
+
+
+def _against(results: dict, name: str, top: str, bottom: str, **extra) -> dict:
+    """`top`'s median over `bottom`'s (their metric: samples/s, or seconds for build rows)."""
+    a, b = _ok(results, top), _ok(results, bottom)
+    value = a["median"] / b["median"] if a and b and b["median"] else None
+    return _number(name, value, "ratio", [top, bottom], reason=_why(results, top, bottom), **extra)
+
+
+def _plan_against_peak(results: dict, row: str) -> tuple:
+    """(`trainer plan`'s device bytes for the row's config / the run's peak allocated GPU
+    bytes, why None, the planned bytes)."""
+    if reason := _why(results, row):
+        return None, reason, None
+    plan, peak = results[row].get("plan") or {}, _peak(results, row)
+    if "device_bytes" not in plan:
+        return None, f"trainer plan failed: {plan.get('error', 'not run')}", None
+    if peak is None:
+        return (
+            None,
+            "no GPU: torch.cuda.max_memory_allocated measured nothing",
+            plan["device_bytes"],
+        )
+    return plan["device_bytes"] / (peak * 2**30), None, plan["device_bytes"]
 
 
 def _shown(value, unit: str) -> str:
@@ -368,13 +490,13 @@ def _shown(value, unit: str) -> str:
 
 def format_headline(numbers: dict) -> str:
     """The headline table: each number beside its target and whether it is met."""
-    lines = [f"  {'headline':42} {'value':>12}  {'target':10} met"]
+    lines = [f"  {'headline':52} {'value':>12}  {'target':10} met"]
     for name, n in numbers.items():
         target = ""
         if n["target"] is not None:
             target = ("<= " if n["at_most"] else ">= ") + _shown(n["target"], n["unit"])
         met = {None: "", True: "yes", False: "NO"}[n["met"]]
-        line = f"  {name:42} {_shown(n['value'], n['unit']):>12}  {target:10} {met}"
+        line = f"  {name:52} {_shown(n['value'], n['unit']):>12}  {target:10} {met}"
         if n["value"] is None and n.get("reason"):
             line += f"  ({n['reason']})"
         lines.append(line.rstrip())
@@ -466,21 +588,42 @@ def run_one(row: bench.Row, work: Path, timeout: float, launch) -> dict:
         entry.update(status="error", error=text[-4000:], seconds=time.perf_counter() - t)
         return entry
     entry.update(status="ok", **bench.summarize([result["value"]]), runs=[result])
+    if row.name in PLANNED:
+        entry["plan"] = planned(row, launch, timeout)
     entry["seconds"] = time.perf_counter() - t
     return entry
 
 
+def planned(row: bench.Row, launch, timeout: float) -> dict:
+    """`trainer plan --json` for the row's config on one rank: rank 0's expected peak, and its
+    part on the device (the peak less the planning process's own fixed bytes), or the error."""
+    cmd = [sys.executable, "-m", "trainer", "plan", "--json", "--world-size", "1", *row.overrides]
+    try:
+        _, _, p = launch(cmd, row.threads, timeout)
+        lines = [x for x in p.stdout.splitlines() if x.startswith("[")]
+        rank0 = json.loads(lines[-1])[0]
+    except (SystemExit, Exception) as e:
+        return {"error": first_line(str(e) or type(e).__name__)}
+    device = rank0["peak_bytes"] - rank0["fixed_bytes"]
+    return {"peak_bytes": rank0["peak_bytes"], "fixed_bytes": rank0["fixed_bytes"],
+            "device_bytes": device, "rank0": rank0}  # fmt: skip
+
+
+def first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:300]
+
+
 def _line(entry: dict) -> str:
     if entry["status"] != "ok":
-        return f"  {entry['name']:52} ERROR: {entry['error'].strip().splitlines()[0][:200]}"
+        return f"  {entry['name']:56} ERROR: {entry['error'].strip().splitlines()[0][:200]}"
     fmt = "{:12,.0f}" if entry["unit"] == "samples/s" else "{:12.3f}"
     value = fmt.format(entry["median"])
-    return f"  {entry['name']:52} {value} {entry['unit']:9} ({entry['seconds']:.0f} s)"
+    return f"  {entry['name']:56} {value} {entry['unit']:9} ({entry['seconds']:.0f} s)"
 
 
 def run(
     out: Path, tiny: bool = False, names: list[str] | None = None, note: str | None = None,
-    deadline_s: float = 540.0,
+    deadline_s: float = 560.0,
 ) -> dict:  # fmt: skip
     """Every row (or those in `names`), then the headline numbers; the JSON after every row."""
     import torch
@@ -516,7 +659,12 @@ def run(
                 fixtures[key] = {"error": f"{type(e).__name__}: {e}"}
         fixtures["seconds"] = time.perf_counter() - made
         print(f"data written in {fixtures['seconds']:.1f} s: {fixtures['images']}", flush=True)
-        todo = rows(sizes, str(work / "tokens"), str(work / "images"), device)
+        shm = info.get("dev_shm_bytes")
+        workers, why = loader_workers(sizes.workers, shm, image_batch_bytes(sizes))
+        fixtures["loader_workers"], fixtures["loader_workers_why"] = workers, why
+        if why:
+            print(f"note: {why}", flush=True)
+        todo = rows(sizes, str(work / "tokens"), str(work / "images"), device, workers)
         if names:
             todo = [r for r in todo if r.name in names]
         report = {"suite": SUITE, "tiny": tiny, "note": note, "machine": info,
@@ -557,7 +705,9 @@ METHOD = (
     "trainer's FLOPs per sample (FlopCounterMode, forward + backward) / the device's dense "
     "bf16 peak (trainer.perf.PEAK_FLOPS); mfu_nanogpt_formula: the same with nanoGPT's "
     "6N + 12LHQT FLOPs per token; data wait: the median of the windows' data_wait_pct "
-    "(whole_run: summary.json's)."
+    "(whole_run: summary.json's); build: run.json's build_s (data, model on its device, layout, "
+    "optimizer); trainer plan: `trainer plan --json --world-size 1` of the row's config, its "
+    "peak less the planning process's fixed bytes, against the row's peak_gpu_memory_gib."
 )
 
 
@@ -570,8 +720,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--row", action="append", metavar="NAME", help="only the row NAME")
     parser.add_argument("--note", help="a line for the JSON")
     parser.add_argument(
-        "--deadline-s", type=float, default=540.0,
-        help="rows not started by then are recorded as skipped (default 540: 9 minutes)",
+        "--deadline-s", type=float, default=560.0,
+        help="rows not started by then are recorded as skipped (default 560: a 10-minute loan "
+        "call less the start; --row reruns those)",
     )  # fmt: skip
     args = parser.parse_args(argv)
     known = {r.name for r in rows(TINY, "", "", "cpu")}

@@ -33,6 +33,11 @@ ROW_NAMES = [
     headline.PLAIN,
     headline.INVARIANT,
     headline.RESNET,
+    headline.LOSS_OUT,
+    headline.FOREACH,
+    headline.WHOLE_BUILD,
+    headline.DEFERRED_BUILD,
+    headline.FEW_WORKERS,
 ]
 
 
@@ -82,7 +87,31 @@ def test_the_gpu_rows_are_gpt2_small_and_resnet50_at_224_and_their_configs_load(
     assert resnet.model.name == "torchvision.models:resnet50" and resnet.data.image_size == 224
     assert resnet.data.name == "imagefolder" and resnet.data.num_workers > 0
     assert set(s.timeouts) == set(headline.TIMEOUT_GROUP.values())
-    assert sum(s.timeouts[headline.TIMEOUT_GROUP[n]] for n in ROW_NAMES) <= 1200
+    assert max(s.timeouts.values()) < 560  # no row alone outlasts the run's deadline
+    # Each of issue 57's rows differs from its reference row in one key only.
+    for row, ref, key in [
+        (headline.LOSS_OUT, headline.GPT_ROW, "train.compile_loss=false"),
+        (headline.FOREACH, headline.GPT_ROW, "optim.fused=false"),
+        (headline.DEFERRED_BUILD, headline.WHOLE_BUILD, "dist.strategy=fsdp"),
+    ]:
+        extra = set(by[row].overrides) - set(by[ref].overrides)
+        assert extra == {key}, (row, extra)
+    fast = config.load(None, list(by[headline.GPT_ROW].overrides))
+    assert fast.train.compile_loss and fast.optim.fused is None  # null: fused on a GPU
+    few = config.load(None, list(by[headline.FEW_WORKERS].overrides))
+    assert 0 < few.data.num_workers < resnet.data.num_workers
+    assert config.load(None, list(by[headline.WHOLE_BUILD].overrides)).dist.strategy == "none"
+
+
+def test_the_image_rows_get_as_many_loader_workers_as_dev_shm_holds():
+    batch = headline.image_batch_bytes(headline.GPU)
+    assert batch == 256 * 3 * 224 * 224 * 4  # 154 MB: float32 images as the model takes them
+    assert headline.loader_workers(12, None, batch) == (12, None)  # unknown: as asked
+    assert headline.loader_workers(12, 16 * 2**30, batch) == (12, None)
+    workers, why = headline.loader_workers(12, 64 * 2**20, batch)  # Docker's default
+    assert workers == 1 and "/dev/shm holds 0.06 GiB" in why and "1 worker(s)" in why
+    workers, why = headline.loader_workers(12, 2 * 2**30, batch)  # 3/4 of 2 GiB: 5 x 2 batches
+    assert workers == 5 and "need 3.45 GiB" in why
 
 
 def _ok(name: str, median: float, **run) -> dict:
@@ -98,6 +127,16 @@ def test_the_headline_numbers_their_targets_and_the_reasons_for_missing_ones():
         headline.PLAIN: _ok(headline.PLAIN, 100.0),
         headline.INVARIANT: {"name": headline.INVARIANT, "status": "error", "error": "boom\nx"},
         headline.RESNET: _ok(headline.RESNET, 2500.0, data_wait_pct=7.5, data_wait_run_pct=9.0),
+        headline.LOSS_OUT: _ok(headline.LOSS_OUT, 320.0, peak_gpu_memory_gib=30.0),
+        headline.WHOLE_BUILD: {
+            **_ok(headline.WHOLE_BUILD, 8.0, peak_gpu_memory_gib=4.0),
+            "plan": {"device_bytes": 3 * 2**30},
+        },
+        headline.DEFERRED_BUILD: {
+            **_ok(headline.DEFERRED_BUILD, 2.0, peak_gpu_memory_gib=5.0),
+            "plan": {"error": "boom"},
+        },
+        headline.FEW_WORKERS: _ok(headline.FEW_WORKERS, 1500.0, data_wait_pct=30.0),
     }
     n = headline.headline(results, s, "NVIDIA H100 80GB HBM3")
     assert list(n) == list(headline.TARGETS)
@@ -113,6 +152,18 @@ def test_the_headline_numbers_their_targets_and_the_reasons_for_missing_ones():
     assert wi["value"] is None and wi["reason"] == f"{headline.INVARIANT!r} failed: boom"
     wait = n["ResNet-50 data wait (steady state)"]
     assert (wait["value"], wait["whole_run"], wait["met"]) == (0.075, 0.09, False)
+    loss = n["loss in the compiled graph / outside it, tokens/s"]
+    assert loss["value"] == 1.25 and loss["peak_gpu_memory_gib"] == {
+        headline.GPT_ROW: None, headline.LOSS_OUT: 30.0,
+    }  # fmt: skip
+    fused = n["fused AdamW / foreach, tokens/s"]
+    assert fused["value"] is None and fused["reason"] == f"{headline.FOREACH!r} was not run"
+    assert n["deferred build / whole build, seconds"]["value"] == 0.25
+    whole = n["trainer plan / measured peak GPU memory, whole"]
+    assert whole["value"] == 0.75 and whole["planned_bytes"] == 3 * 2**30
+    deferred = n["trainer plan / measured peak GPU memory, deferred"]
+    assert deferred["value"] is None and deferred["reason"] == "trainer plan failed: boom"
+    assert n["ResNet-50 data wait, fewer loader workers"]["value"] == 0.3
     table = headline.format_headline(n)
     assert re.search(r"GPT-2-small MFU \(bf16 dense peak\) +40\.4% +>= 40\.0% +yes", table)
     assert re.search(r"checkpoint stall, background / blocking +0\.050 +<= 0\.100 +yes", table)
@@ -149,6 +200,26 @@ def test_the_whole_script_at_tiny_sizes_on_the_cpu(tmp_path):
                  "world_invariant / plain, world 1", "ResNet-50 images/s"):  # fmt: skip
         assert numbers[name]["value"] > 0, name
     assert 0 <= numbers["ResNet-50 data wait (steady state)"]["value"] <= 1
+    # Issue 57's rows: the defaults against each switched off, the build and the plan.
+    for name in ("loss in the compiled graph / outside it, tokens/s",
+                 "fused AdamW / foreach, tokens/s", "deferred build / whole build, seconds"):  # fmt: skip
+        assert numbers[name]["value"] > 0, name
+    fast = {r["name"]: r["runs"][0]["fast_paths"] for r in report["rows"]}
+    assert (
+        fast[headline.FOREACH]
+        == fast[headline.GPT_ROW]
+        == {
+            "loss_compiled": False,
+            "fused_optimizer": False,
+        }
+    )  # fmt: skip  (tiny: no compile; on a CPU AdamW keeps foreach)
+    for row in headline.PLANNED:
+        plan = by[row]["plan"]
+        assert plan["device_bytes"] > 0 and plan["rank0"]["param_bytes"] > 0, (row, plan)
+        ratio = numbers[f"trainer plan / measured peak GPU memory, {row.split()[2]}"]
+        assert ratio["value"] is None and "no GPU" in ratio["reason"], ratio
+    assert by[headline.DEFERRED_BUILD]["runs"][0]["build_s"] > 0
+    assert report["fixtures"]["loader_workers"] == headline.TINY.workers
     assert headline.format_headline(numbers) in p.stdout  # printed with the targets
 
 
