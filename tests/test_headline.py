@@ -252,3 +252,20 @@ def test_the_docs_say_how_to_run_it_and_quote_every_committed_gpu_run():
         for name, n in report["headline"].items():
             shown = headline._shown(n["value"], n["unit"])
             assert f"| {name} | {shown} |" in text, (path.name, name, shown)
+
+
+def test_the_loan_script_refuses_a_wrong_word_and_a_missing_wheel_in_one_line(tmp_path):
+    """bench/gpu_loan.sh, what a GPU loan runs: a word it does not know, or no omegaconf wheel
+    to carry (the loan's machine has no package index), is one line and exit 2, before any
+    work (here: a copy of the script in a tree without .whl/)."""
+    script = ROOT / "bench" / "gpu_loan.sh"
+    p = subprocess.run(["bash", str(script), "measure"], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.startswith("usage: bash bench/gpu_loan.sh prepare|")
+    (tmp_path / "bench").mkdir()
+    copy = tmp_path / "bench" / "gpu_loan.sh"
+    copy.write_text(script.read_text())
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")}
+    p = subprocess.run(["bash", str(copy), "headline"], capture_output=True, text=True, env=env)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert "run 'bash bench/gpu_loan.sh prepare' here and carry .whl" in p.stderr
+    assert not (tmp_path / "out").exists()  # nothing started
