@@ -218,6 +218,7 @@ def test_a_rank_sees_its_launcher_end_without_polling_for_it():
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 31 s: make test-long (make test stays in its 12 minutes)
 def test_ranks_die_with_torchrun_and_a_run_folder_holds_one_job(tmp_path):
     """SIGKILL to torchrun's process group (a killed srun step, a lost shell): torchrun starts
     each rank in a session of its own, and the ranks used to train on. Now they end within a

@@ -266,6 +266,7 @@ def test_a_sharded_checkpoint_can_be_evaluated_and_seed_weights(runs, tmp_path, 
     assert train_losses(seeded)[1] < train_losses(fresh)[1] - 0.3
 
 
+@pytest.mark.long  # 26 s: make test-long (make test stays in its 12 minutes)
 def test_sigkill_then_rerun_under_fsdp_is_bitwise(runs, tmp_path):
     slow = ["model.name=tests.helpers:slow_gpt", "model.dropout=0.1", "model.kwargs.delay=0"]
     ref = runs(2, "fsdp", *GPT, *slow)

@@ -316,7 +316,7 @@ def _sha256(run_dir) -> str:
 @pytest.mark.parametrize(
     "args, worlds",
     [
-        pytest.param(MLP, (2, 8), id="mlp"),
+        pytest.param(MLP, (2, 8), id="mlp", marks=pytest.mark.long),  # 41 s: make test-long
         pytest.param(LENET, (2,), id="lenet"),
         pytest.param(GPT_SAVING, (2,), id="gpt"),
     ],
@@ -335,6 +335,7 @@ def test_worlds_1_2_and_8_train_the_same_bits(runs, args, worlds):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 36 s: make test-long (make test stays in its 12 minutes)
 def test_six_shards_train_the_same_bits_on_1_2_and_3_ranks(tmp_path):
     """repro.shards=6, not a power of two: on 2 ranks each block ([0,3), [3,6)) is two aligned
     subtrees, sent as two pieces; on 3 ranks one pair each. Micro-steps and a binding clip (ON);
