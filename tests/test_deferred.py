@@ -160,6 +160,14 @@ def test_trainer_plan_lays_each_rank_out_without_storage():
     total = sum(t.numel() * 4 for t in whole.parameters()) + whole.tok.weight.numel() * 4
     assert sum(r["param_bytes"] for r in plans) == total
     assert all(r["peak_bytes"] > r["fixed_bytes"] + r["param_bytes"] for r in plans)
+    # optim.fused=true: the same state (planned unfused: no fused kernel runs on meta tensors)
+    fused = subprocess.run([*cmd, "--world-size=2", "dist.mesh=pp=2", "optim.fused=true"],
+                           capture_output=True, text=True, env=env(), cwd=ROOT, timeout=300)  # fmt: skip
+    assert fused.returncode == 0, fused.stderr[-2000:]
+    optimizer = [r["optimizer_bytes"] for r in plans]
+    assert [r["optimizer_bytes"] for r in json.loads(fused.stdout)] == optimizer
+    for b, r in zip(optimizer, plans, strict=True):  # AdamW's two moments and its step counters
+        assert 2 * r["param_bytes"] < b < 2 * r["param_bytes"] + 4096
     bad = subprocess.run([*cmd, "--world-size=3", "dist.mesh=pp=2"], capture_output=True,
                          text=True, env=env(), cwd=ROOT, timeout=300)  # fmt: skip
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad.stderr

@@ -9,6 +9,7 @@ import torch
 from tests import helpers
 from tests.helpers import read_jsonl, train_here, trainer, weights
 from trainer import config
+from trainer.errors import UsageError
 from trainer.optim import Schedule, build_optimizer, build_scheduler
 from trainer.parallel.parts import whole
 from trainer.step import TrainStep, make_scaler
@@ -417,6 +418,10 @@ def test_adamw_is_fused_where_every_parameter_is_on_a_gpu_unless_the_config_says
     ]  # fmt: skip
     assert uses_fused(None, [{"params": [gpu]}, {"params": [gpu]}])  # parameter groups
     assert uses_fused(True, [cpu]) and not uses_fused(False, [gpu])
+    fused = config.load(None, ["optim.fused=true"]).optim
+    meta = torch.nn.Parameter(torch.zeros(2, device="meta"))
+    with pytest.raises(UsageError, match="no fused AdamW for a torch.float32 parameter on meta"):
+        build_optimizer(fused, [meta])  # one line at the build, not a traceback at step 1
     for choice, fused in ((None, None), (True, True), (False, None)):
         cfg = config.load(None, [f"optim.fused={'null' if choice is None else choice}"]).optim
         opt = build_optimizer(cfg, torch.nn.Linear(2, 2).parameters())
@@ -444,3 +449,21 @@ def test_a_loaded_optimizer_state_keeps_this_runs_kernels():
     plain = torch.optim.AdamW(model.parameters())
     plain.load_state_dict(saved)
     assert plain.param_groups[0]["fused"] is True  # what own_kernels undoes
+
+
+def test_a_mistake_in_a_compiled_loss_raises_as_it_does_eagerly():
+    """Under train.compile the step's forward and loss run compiled, and dynamo wraps a
+    mistake in them (here: float labels for a cross-entropy) in a long TorchRuntimeError.
+    The step runs the two again eagerly and raises the mistake as an uncompiled run does."""
+    import torch._dynamo
+
+    x, y = _batch()
+    eager, _ = _setup(compile=True)
+    with pytest.raises(RuntimeError) as plain:
+        eager.task.loss(eager.model(x), (x, y.float()))
+    step, _ = _setup(compile=True, wrap=torch.compile)
+    assert step._compiled_loss is not None
+    with pytest.raises(RuntimeError) as got:
+        step((x, y.float()), global_count=len(y))
+    assert not isinstance(got.value, torch._dynamo.exc.TorchRuntimeError)
+    assert str(got.value) == str(plain.value)

@@ -145,19 +145,20 @@ KERNEL_KEYS = ("fused", "foreach", "capturable")
 def own_kernels(optimizer: torch.optim.Optimizer):
     """A load that keeps this run's kernel choice (optim.fused): torch's load_state_dict takes
     every param_groups entry from the checkpoint, the saving run's fused/foreach among them.
-    After the load each group's kernel keys are this optimizer's again, and a fused or
-    capturable group's step counters sit on their parameter's device, where its kernel reads
-    them (an unfused run keeps them on the CPU)."""
+    After the load each group's kernel keys are this optimizer's again, and its step counters
+    sit where its kernel reads them: a fused or capturable group's on their parameter's device,
+    another's on the CPU (torch loads them where the checkpoint's kernels had them; on the GPU a
+    foreach step would read each back, a sync per parameter)."""
     kept = [{k: g[k] for k in KERNEL_KEYS if k in g} for g in optimizer.param_groups]
     yield
     for group, own in zip(optimizer.param_groups, kept, strict=True):
         group.update(own)
-        if not (group.get("fused") or group.get("capturable")):
-            continue
+        on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             step = optimizer.state.get(p, {}).get("step")
-            if isinstance(step, torch.Tensor) and step.device != p.device:
-                optimizer.state[p]["step"] = step.to(p.device, torch.float32)
+            where = p.device if on_device else torch.device("cpu")
+            if isinstance(step, torch.Tensor) and step.device != where:
+                optimizer.state[p]["step"] = step.to(where, torch.float32)
 
 
 def _renamed(flat: dict, aliases: dict[str, str], back: bool = False) -> dict:

@@ -10,7 +10,7 @@ import torch
 from trainer import params as _params
 from trainer import registry
 from trainer.config import OptimConfig, SchedConfig
-from trainer.errors import UsageError, first_line
+from trainer.errors import UsageError
 
 
 def build(cfg: OptimConfig, model: torch.nn.Module, whole=None) -> torch.optim.Optimizer:
@@ -35,18 +35,29 @@ def build_optimizer(cfg: OptimConfig, params) -> torch.optim.Optimizer:
     cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
     params = list(params)
     fused = uses_fused(cfg.fused, params)
-    try:  # None, not False, where unfused: torch's default, and the state_dict it always had
-        return cls(
-            params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
-            fused=fused or None,
-        )  # fmt: skip
-    except RuntimeError as e:
-        if not fused:
-            raise
-        raise UsageError(
-            f"optim.fused=true: torch has no fused {cls.__name__} for these parameters "
-            f"({first_line(e)}): set optim.fused=null (fused where every parameter is on a GPU)"
-        ) from None
+    if fused:
+        _check_fusable(cls.__name__, params)
+    # None, not False, where unfused: torch's default, and the state_dict it always had.
+    return cls(
+        params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay,
+        fused=fused or None,
+    )  # fmt: skip
+
+
+def _check_fusable(name: str, params: list) -> None:
+    """optim.fused=true on parameters torch has no fused kernel for: one line now, where torch
+    would raise at the first step (its check runs there, after the whole build)."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    for p in _tensors(params):
+        if p.device.type not in devices or not p.is_floating_point():
+            raise UsageError(
+                f"optim.fused=true: torch has no fused {name} for a {p.dtype} parameter on "
+                f"{p.device.type} (it has one for floating-point parameters on "
+                f"{', '.join(devices)}): set optim.fused=null (fused where every parameter is "
+                "on a GPU)"
+            )
 
 
 def uses_fused(choice: bool | None, params: list) -> bool:

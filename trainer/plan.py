@@ -161,8 +161,10 @@ def _bytes(t: torch.Tensor) -> int:
 
 
 def _optimizer_bytes(cfg: Config, parts, order) -> int:
-    """The optimizer's state after one step on zero gradients, on the meta device."""
-    optimizer = optim.build(cfg.optim, parts.view, order if parts.pipe else None)
+    """The optimizer's state after one step on zero gradients, on the meta device (unfused:
+    the fused kernels run on no meta tensor, and their state is the same tensors)."""
+    how = dataclasses.replace(cfg.optim, fused=False)
+    optimizer = optim.build(how, parts.view, order if parts.pipe else None)
     for p in parts.view.parameters():
         if p.requires_grad:
             p.grad = torch.zeros_like(p)

@@ -37,8 +37,9 @@ _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def compiled_loss(cfg: TrainConfig, parts: ModelParts, mesh: Mesh, task: Task) -> tuple:
     """(the wrapped model before torch.compile, the task's forward and loss compiled as one
     function of (model, batch)) under train.compile and train.compile_loss, else (None, None).
-    A whole model only: a pipeline's last stage computes the loss in its schedule, and under tp
-    the loss may be a DTensor; both keep their compiled parts and an eager loss."""
+    One graph for a plain model; DDP's and FSDP's forward hooks break it, so there the loss is
+    a compiled graph of its own, fed the model's graph's output. A whole model only: a
+    pipeline's last stage computes the loss in its schedule (its stages compiled alone)."""
     inner = getattr(parts.running, "_orig_mod", None)
     if not (cfg.compile and cfg.compile_loss) or inner is None or mesh.layout.model_parallel:
         return None, None
@@ -193,12 +194,24 @@ class TrainStep:
         train.compile_loss both in one compiled graph (timed together)."""
         self.forward_s.start()
         if self._compiled_loss is not None:
-            loss = forward(self.task, self._inner, batch, via=self._compiled_loss)
+            try:
+                loss = self._compiled_loss(self._inner, batch)
+            except Exception:
+                self._eager_mistake(batch)
+                raise
             self.forward_s.stop()
             return checked_loss(self.task, loss)
         out = forward(self.task, self._running, batch)
         self.forward_s.stop()
         return checked_loss(self.task, self.task.loss(out, batch))
+
+    def _eager_mistake(self, batch) -> None:
+        """After the compiled forward and loss failed: the same two eagerly, so that a mistake
+        in the task, the model or the data raises as it does without compile (dynamo wraps it
+        in a long TorchRuntimeError), with the forward's one-line translations. Returns when
+        they run: the compiler's own failure then stands."""
+        with torch.no_grad():
+            self.task.loss(forward(self.task, self._inner, batch), batch)
 
     def _start(self, factor: float, like: torch.Tensor) -> torch.Tensor:
         """`factor` as the 0-dim gradient backward starts from at `like`, made again when the

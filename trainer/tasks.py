@@ -334,13 +334,12 @@ _DTYPE_MISMATCH = (
 )
 
 
-def forward(task: Task, model: torch.nn.Module, batch, via=None) -> Any:
-    """task.forward(model, batch), or via(model, batch) (the forward and the loss compiled in one
-    graph: trainer/step.py); a batch or tensor on another device than the model's, or of
+def forward(task: Task, model: torch.nn.Module, batch) -> Any:
+    """task.forward(model, batch); a batch or tensor on another device than the model's, or of
     another dtype, is one line naming the contract (the trainer moves every tensor of the batch
     to the run's device and leaves dtypes as the data gives them)."""
     try:
-        return (via or task.forward)(model, batch)
+        return task.forward(model, batch)
     except (RuntimeError, ValueError) as e:
         text = str(e)
         device = any(m in text for m in _DEVICE_MISMATCH) or _devices_differ(text)

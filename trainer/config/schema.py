@@ -460,10 +460,11 @@ class TrainConfig:
     compile: bool = False
     """torch.compile the model (after DDP wrapping)."""
     compile_loss: bool = True
-    """With train.compile: the training step compiles the task's loss in one graph with the
-    model's forward, so the logits reach the loss inside it (no fp32 copy of a language model's
-    logits between them). false: the loss runs eagerly on the compiled model's output. A
-    pipeline (pp) or tensor-parallel (tp) layout compiles the model alone either way."""
+    """With train.compile: the training step compiles the task's loss with the model's forward
+    (one graph without a wrapper; under DDP/FSDP, whose hooks break it, a graph of its own), so
+    a language model's logits reach the loss without an fp32 copy of them. false: the loss runs
+    eagerly on the compiled model's output. A pipeline (pp) compiles its stages alone either
+    way."""
     channels_last: bool = False
     """channels_last memory format for 4-D inputs and conv weights (faster convs on GPU)."""
     activation_checkpointing: bool = False
