@@ -429,9 +429,11 @@ def _differences(results: dict) -> dict:
     out = {}
     name = "loss in the compiled graph / outside it, tokens/s"
     peaks = {n: _peak(results, n) for n in (GPT_ROW, LOSS_OUT)}
-    out[name] = _against(results, name, GPT_ROW, LOSS_OUT, peak_gpu_memory_gib=peaks)
+    out[name] = _against(
+        results, name, GPT_ROW, LOSS_OUT, "loss_compiled", peak_gpu_memory_gib=peaks
+    )
     name = "fused AdamW / foreach, tokens/s"
-    out[name] = _against(results, name, GPT_ROW, FOREACH)
+    out[name] = _against(results, name, GPT_ROW, FOREACH, "fused_optimizer")
     name = "deferred build / whole build, seconds"
     out[name] = _against(results, name, DEFERRED_BUILD, WHOLE_BUILD)
     for row, kind in ((WHOLE_BUILD, "whole"), (DEFERRED_BUILD, "deferred")):
@@ -454,11 +456,20 @@ def _peak(results: dict, name: str) -> float | None:
     return r["runs"][0].get("peak_gpu_memory_gib") if r else None
 
 
-def _against(results: dict, name: str, top: str, bottom: str, **extra) -> dict:
-    """`top`'s median over `bottom`'s (their metric: samples/s, or seconds for build rows)."""
+def _against(
+    results: dict, name: str, top: str, bottom: str, path: str | None = None, **extra
+) -> dict:
+    """`top`'s median over `bottom`'s (their metric: samples/s, or seconds for build rows).
+    `path`: the fast path (run.json's fast_paths) that `top` runs and `bottom` does not; rows
+    that ran the same (a GPU without it, a CPU dry run) compare nothing: None, and why."""
     a, b = _ok(results, top), _ok(results, bottom)
     value = a["median"] / b["median"] if a and b and b["median"] else None
-    return _number(name, value, "ratio", [top, bottom], reason=_why(results, top, bottom), **extra)
+    reason = _why(results, top, bottom)
+    if value is not None and path is not None:
+        ran = [(r["runs"][0].get("fast_paths") or {}).get(path) for r in (a, b)]
+        if ran != [True, False]:
+            value, reason = None, f"{top!r} and {bottom!r} ran {path} {ran[0]} and {ran[1]}"
+    return _number(name, value, "ratio", [top, bottom], reason=reason, **extra)
 
 
 def _plan_against_peak(results: dict, row: str) -> tuple:
@@ -598,8 +609,8 @@ def planned(row: bench.Row, launch, timeout: float) -> dict:
     """`trainer plan --json` for the row's config on one rank: rank 0's expected peak, and its
     part on the device (the peak less the planning process's own fixed bytes), or the error."""
     cmd = [sys.executable, "-m", "trainer", "plan", "--json", "--world-size", "1", *row.overrides]
-    try:
-        _, _, p = launch(cmd, row.threads, timeout)
+    try:  # a minute or less: the model on the meta device (bounded, so the deadline holds)
+        _, _, p = launch(cmd, row.threads, min(timeout, 90))
         lines = [x for x in p.stdout.splitlines() if x.startswith("[")]
         rank0 = json.loads(lines[-1])[0]
     except (SystemExit, Exception) as e:
