@@ -116,7 +116,7 @@ test-mesh: setup  ## the long model-parallel runs: 4 ranks (dp x pp, dp x tp, pp
 test-memory: setup  ## a 226M-parameter GPT trains under FSDP dp=4 and pp=4 with each rank in a memory cgroup below one whole copy of the weights, and a rank holding it whole is killed (root; ~4 min)
 	$(BIN)/pytest -m memory -s tests/test_memory.py $(PYTEST_ARGS)
 
-test-s3: setup  ## checkpoints and sharded datasets in a bucket against a real S3 server started on loopback (SeaweedFS from the lock): killed mid-save, outages, throttling, an altered object, a wrong key, a run killed on 2 ranks resumed on 3 and 4; the bucket bench, quick (~9 min)
+test-s3: setup  ## checkpoints and sharded datasets in a bucket against a real S3 server started on loopback (SeaweedFS from the lock): killed mid-save, outages, throttling, an altered object, a wrong key, a run killed on 2 ranks resumed on 3 and 4; the bucket bench, quick (two xdist workers, a file each; ~7 min)
 	$(BIN)/pytest -n 2 --dist loadfile -m "s3 or shards" tests/test_bucket.py tests/test_shards.py tests/test_bench.py $(PYTEST_ARGS)
 
 test-elastic: setup  ## elastic jobs (NNODES=MIN:MAX) on network-namespace nodes with an etcd rendezvous (Debian's etcd-server, installed with apt if missing): a node lost, back and drained mid-run, ending on the one-process bits (root; ~3 min)

@@ -494,7 +494,7 @@ def test_bad_override_is_one_line_and_exit_2_before_torchrun(tmp_path):
     assert p.returncode == 2
     assert p.stderr.splitlines() == [
         "trainer-launch: error: command line: unknown key 'optim.lrr' (did you mean 'optim.lr'?); "
-        "valid keys here: name, lr, weight_decay, momentum, nesterov, betas, decay, freeze, "
+        "valid keys here: name, lr, weight_decay, momentum, nesterov, betas, fused, decay, freeze, "
         "groups, kwargs, lora_targets, lora_also_train, lora_rank, lora_alpha"
     ]
     assert p.stdout == "" and time.monotonic() - t < 30  # torchrun never started

@@ -399,9 +399,11 @@ _PLUGIN_KEYS = ("data.name", "model.name", "task.name")
 """Keys that take a registry name or package.module:object."""
 
 
-def _bool_keys() -> frozenset[str]:
-    """Dotted keys of the schema's bool fields (OmegaConf would take `2` for true)."""
-    return frozenset(f.key for f in schema_fields() if f.type is bool)
+def _bool_keys() -> dict[str, tuple[str, ...]]:
+    """Dotted keys of the schema's bool fields (OmegaConf would take `2` for true) and the
+    words each takes: null too where it is optional (optim.fused)."""
+    words = {bool: _BOOLS, bool | None: (*_BOOLS, "null", "~")}
+    return {f.key: words[f.type] for f in schema_fields() if f.type in words}
 
 
 _KEY = re.compile(r"^[A-Za-z_][\w-]*(\[\d+\])?(\.[A-Za-z_][\w-]*(\[\d+\])?)*$")
@@ -448,10 +450,12 @@ def _cli_layer(overrides: list[str]):
                 f"override '{shown}': '{key_shown}' is not a dotted key like optim.lr"
                 f"{_suggest(key)}"
             )
-        if key in _bool_keys() and value.strip().lower() not in _BOOLS:
+        words = _bool_keys().get(key)
+        if words is not None and value.strip().lower() not in words:
+            also = " or null" if "null" in words else ""
             raise UsageError(
-                f"command line: {key_shown}: '{shorten(_printable(value))}' is not true or false "
-                f"(e.g. {example(key)})"
+                f"command line: {key_shown}: '{shorten(_printable(value))}' is not true or "
+                f"false{also} (e.g. {example(key)})"
             )
         if key in _PLUGIN_KEYS and value.rstrip().endswith(":"):  # YAML reads `a.b:` as a mapping
             raise UsageError(
