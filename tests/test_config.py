@@ -1,5 +1,6 @@
 """Config: precedence, every error path (one line, exit 2, the fix named), round trip."""
 
+import re
 import subprocess
 import sys
 
@@ -67,6 +68,24 @@ def test_bad_overrides_name_the_key_and_the_fix(overrides, fragments):
     assert "\n" not in msg
     for frag in fragments:
         assert frag in msg
+
+
+def test_a_bool_key_in_a_file_or_values_is_true_false_or_null_where_optional(tmp_path):
+    """OmegaConf takes 2 or the string "yes" for true; a config file or trainer.fit's values
+    may not (the command line checks the same words as text)."""
+    for text, key, shown in [
+        ("optim: {fused: 2}", "optim.fused", "2 is not true or false or null"),
+        ('data: {shuffle: "yes"}', "data.shuffle", "'yes' is not true or false ("),
+    ]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text + "\n")
+        with pytest.raises(UsageError, match=re.escape(f"{path}: {key}: {shown}")):
+            config.load(str(path))
+    with pytest.raises(UsageError, match=re.escape("values: train.compile: 'on' is not true")):
+        config.load(None, values={"train": {"compile": "on"}})
+    path.write_text("data: {shuffle: 0}\noptim: {fused: null}\ntrain: {compile: true}\n")
+    cfg = config.load(str(path))
+    assert (cfg.data.shuffle, cfg.optim.fused, cfg.train.compile) == (False, None, True)
 
 
 def test_bad_config_sources(tmp_path):

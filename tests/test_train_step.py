@@ -466,4 +466,4 @@ def test_a_mistake_in_a_compiled_loss_raises_as_it_does_eagerly():
     with pytest.raises(RuntimeError) as got:
         step((x, y.float()), global_count=len(y))
     assert not isinstance(got.value, torch._dynamo.exc.TorchRuntimeError)
-    assert str(got.value) == str(plain.value)
+    assert str(got.value) == str(plain.value) and got.value.__suppress_context__

@@ -197,7 +197,10 @@ class TrainStep:
             try:
                 loss = self._compiled_loss(self._inner, batch)
             except Exception:
-                self._eager_mistake(batch)
+                # One process only: a rank rerunning alone would wait in a collective the
+                # others never join (DDP's buffer broadcast, FSDP's gathers).
+                if self._world_size == 1 and (mistake := self._eager_mistake(batch)):
+                    raise mistake from None
                 raise
             self.forward_s.stop()
             return checked_loss(self.task, loss)
@@ -205,13 +208,17 @@ class TrainStep:
         self.forward_s.stop()
         return checked_loss(self.task, self.task.loss(out, batch))
 
-    def _eager_mistake(self, batch) -> None:
+    def _eager_mistake(self, batch) -> Exception | None:
         """After the compiled forward and loss failed: the same two eagerly, so that a mistake
-        in the task, the model or the data raises as it does without compile (dynamo wraps it
-        in a long TorchRuntimeError), with the forward's one-line translations. Returns when
-        they run: the compiler's own failure then stands."""
-        with torch.no_grad():
-            self.task.loss(forward(self.task, self._inner, batch), batch)
+        in the task, the model or the data reads as it does without compile (dynamo wraps it in
+        a long TorchRuntimeError), with the forward's one-line translations: the exception the
+        eager run raised, or None when it ran (the compiler's own failure then stands)."""
+        try:
+            with torch.no_grad():
+                self.task.loss(forward(self.task, self._inner, batch), batch)
+        except Exception as e:
+            return e
+        return None
 
     def _start(self, factor: float, like: torch.Tensor) -> torch.Tensor:
         """`factor` as the 0-dim gradient backward starts from at `like`, made again when the

@@ -406,6 +406,12 @@ def _bool_keys() -> dict[str, tuple[str, ...]]:
     return {f.key: words[f.type] for f in schema_fields() if f.type in words}
 
 
+def _is_bool_word(value: str, words: tuple[str, ...]) -> bool:
+    """true/false/yes/no/on/off/1/0 in any case, as YAML reads them; null and ~ as written."""
+    value = value.strip()
+    return value.lower() in _BOOLS or (value in words and value in ("null", "~"))
+
+
 _KEY = re.compile(r"^[A-Za-z_][\w-]*(\[\d+\])?(\.[A-Za-z_][\w-]*(\[\d+\])?)*$")
 
 
@@ -451,7 +457,7 @@ def _cli_layer(overrides: list[str]):
                 f"{_suggest(key)}"
             )
         words = _bool_keys().get(key)
-        if words is not None and value.strip().lower() not in words:
+        if words is not None and not _is_bool_word(value, words):
             also = " or null" if "null" in words else ""
             raise UsageError(
                 f"command line: {key_shown}: '{shorten(_printable(value))}' is not true or "
@@ -737,10 +743,36 @@ def _merge(schema, merged, source: str, layer):
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+    if not source.startswith("command line"):  # the command line's are checked as text
+        _check_bools(source, layer)
     try:
         return OmegaConf.merge(merged, layer)
     except (OmegaConfBaseException, TypeError, ValueError) as e:  # TypeError: list <- dict
         raise _merge_error(e, schema, source, _culprit(schema, layer)) from None
+
+
+_ABSENT = object()
+
+
+def _check_bools(source: str, layer) -> None:
+    """A config file's (or trainer.fit's values') bool keys: true or false (1 or 0, as the
+    command line takes), or null where the key is optional. OmegaConf would take `2` or the
+    string "yes" for true."""
+    from omegaconf import OmegaConf
+
+    for key, words in _bool_keys().items():
+        try:
+            value = OmegaConf.select(layer, key, default=_ABSENT)
+        except Exception:  # an interpolation resolved later, or a section where a key is
+            continue  # the merge names those
+        ok = value is _ABSENT or isinstance(value, bool) or value in (0, 1)
+        if ok or (value is None and "null" in words):
+            continue
+        also = " or null" if "null" in words else ""
+        raise UsageError(
+            f"{source}: {key}: {shorten(_printable(repr(value)))} is not true or false{also} "
+            f"(e.g. {example(key)})"
+        )
 
 
 @functools.cache
