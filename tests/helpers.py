@@ -367,12 +367,13 @@ def wait_for(predicate, timeout: float, what: str, proc=None, interval: float = 
 
 
 def checkpoints(run_dir) -> list[str]:
-    folder = Path(run_dir) / "checkpoints"
-    return (
-        sorted(p.name for p in folder.iterdir() if p.name.startswith("step-"))
-        if folder.is_dir()
-        else []
-    )
+    """The run's checkpoint folders, [] before it has one. The checkpointer's start-up probe
+    makes ckpt.dir and removes it again (rundir.probe_folder): a poll may find it gone."""
+    try:
+        names = os.listdir(Path(run_dir) / "checkpoints")
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(name for name in names if name.startswith("step-"))
 
 
 def alive(pid: int) -> bool:
