@@ -37,6 +37,7 @@ def _args(root, run_dir) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 27 s: make test-long (make test stays in its 12 minutes)
 def test_two_ranks_with_workers_match_one_process(tmp_path, cifar):
     train_here(*_args(cifar, tmp_path / "w1"))
     trainer(*_args(cifar, tmp_path / "w2"), "data.num_workers=1", nproc=2, torchrun=False)

@@ -350,6 +350,7 @@ def _run_two_nodes(
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 21 s: make test-long (make test stays in its 12 minutes)
 @pytest.mark.netns
 def test_two_node_profile_trains_across_two_network_namespaces(tmp_path):
     if reason := netns.unavailable():

@@ -278,6 +278,7 @@ def test_a_balanced_run_names_no_straggler(reference_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 25 s: make test-long (make test stays in its 12 minutes)
 @pytest.mark.netns
 def test_a_hang_on_the_second_node_is_named_through_trainer_launch(tmp_path):
     """Two network-namespace "nodes" run the compose two-node services' trainer-launch; rank 1

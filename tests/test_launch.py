@@ -684,6 +684,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 20 s: make test-long (make test stays in its 12 minutes)
 def test_sigterm_is_forwarded_and_everything_stops(tmp_path):
     log = tmp_path / "log.txt"
     with open(log, "w") as out:

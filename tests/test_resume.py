@@ -83,6 +83,7 @@ def test_sigkill_then_rerun_gives_bitwise_the_same_weights(uninterrupted_w1, tmp
 
 
 @pytest.mark.slow
+@pytest.mark.long  # 24 s: make test-long (make test stays in its 12 minutes)
 def test_kills_during_background_writes_leave_the_previous_checkpoint_newest(
     uninterrupted_w1, tmp_path
 ):
