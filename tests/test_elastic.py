@@ -286,7 +286,9 @@ def test_a_silent_node_is_dropped_after_the_timeout_and_past_the_budget_the_job_
             )
             wait_for(lambda: not any(map(alive, survivors)), PHASE, "node 0's rank to give up")
             gave_up = time.monotonic() - cut_at
-            assert 9 <= gave_up <= 40, gave_up  # dist.timeout_s=10, not for ever
+            # About dist.timeout_s=10 after its last collective began (just before the cut, or
+            # up to a step before it: 8.98 s once), not at once (no reset reached it), nor never.
+            assert 5 <= gave_up <= 40, gave_up
             wait_for(lambda: resumes(nodes, cut_at), PHASE, "a resume at world 1", nodes[0].proc)
             _, _, change = resumes(nodes, cut_at)[0]
             assert change == "2 -> 1", resumes(nodes, 0)
