@@ -614,14 +614,12 @@ def planned(row: bench.Row, launch, timeout: float) -> dict:
         lines = [x for x in p.stdout.splitlines() if x.startswith("[")]
         rank0 = json.loads(lines[-1])[0]
     except (SystemExit, Exception) as e:
-        return {"error": first_line(str(e) or type(e).__name__)}
+        from trainer.errors import first_line
+
+        return {"error": first_line(e)[:300]}
     device = rank0["peak_bytes"] - rank0["fixed_bytes"]
     return {"peak_bytes": rank0["peak_bytes"], "fixed_bytes": rank0["fixed_bytes"],
             "device_bytes": device, "rank0": rank0}  # fmt: skip
-
-
-def first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:300]
 
 
 def _line(entry: dict) -> str:
